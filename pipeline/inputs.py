@@ -1,0 +1,179 @@
+"""Input discovery and the first, small pass over the input (SPEC "Read" and "Related passages": TF-IDF IDF from a
+seeded sample of the corpus).
+
+``discover_shards`` turns ``--input`` (file, folder or glob; local or any fsspec URL) into an ordered list of
+shards. ``scan_shard`` reads one shard's ids (for duplicate detection across the run), its row-group layout (for the
+work units) and a seeded sample of its texts (for the IDF). ``plan`` combines the scans into work units.
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from operators.read import MissingColumnError, open_input, read_jsonl_records
+
+SAMPLE_DIR = Path(__file__).parent / "sample" / "web-docs"
+PARQUET_SUFFIXES = (".parquet", ".pq")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+@dataclass
+class Shard:
+    """One input file. ``index`` is its position in the run's sorted shard list."""
+
+    index: int
+    path: str
+    format: str  # parquet | jsonl
+    size: int = 0  # bytes
+
+
+@dataclass
+class ShardScan:
+    """What the first pass learns about one shard (see :func:`scan_shard`)."""
+
+    shard_index: int
+    row_group_rows: list[int]  # rows per parquet row group; one entry (all rows) for JSONL
+    ids: pa.Array  # string ids in row order (null where missing)
+    sample: list[tuple[float, str]] = field(default_factory=list)  # (priority, text) of the sampled documents
+
+    @property
+    def num_rows(self) -> int:
+        return int(sum(self.row_group_rows))
+
+
+def _format_of(path: str, forced: str) -> str | None:
+    if forced != "auto":
+        return forced
+    low = path.lower()
+    if low.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if low.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    return None
+
+
+def discover_shards(path: str = "", fmt: str = "auto") -> list[Shard]:
+    """The input shards of ``path``, sorted by path.
+
+    Args:
+        path: a parquet/JSONL file, a folder (searched recursively), or a glob; local or an fsspec URL such as
+            ``s3://bucket/prefix/``. Empty: the sample that ships with pairmine.
+        fmt: ``auto`` (by extension: .parquet/.pq, .jsonl/.json/.ndjson), ``parquet`` or ``jsonl``.
+
+    Raises:
+        FileNotFoundError: the path does not exist, or matches no parquet/JSONL file.
+    """
+    import fsspec
+
+    path = path or str(SAMPLE_DIR)
+    fs, root = fsspec.core.url_to_fs(path)
+    if _glob.has_magic(root):
+        files = [p for p in fs.glob(root) if fs.isfile(p)]
+    elif fs.isdir(root):
+        files = [p for p in fs.find(root) if _format_of(p, "auto")] if fmt == "auto" else fs.find(root)
+        files = [p for p in files if not Path(p).name.startswith((".", "_"))]
+    elif fs.exists(root):
+        files = [root]
+    else:
+        raise FileNotFoundError(f"input {path} does not exist")
+    shards = []
+    for p in sorted(files):
+        f = _format_of(p, fmt)
+        if f is None:
+            raise ValueError(f"input {p}: cannot tell the format from the name; set input.format to parquet or jsonl")
+        shards.append(Shard(index=len(shards), path=fs.unstrip_protocol(p) if "://" in path else p, format=f, size=int(fs.size(p) or 0)))
+    if not shards:
+        raise FileNotFoundError(f"input {path} holds no parquet or JSONL file")
+    return shards
+
+
+def scan_shard(shard: Shard, text_column: str, id_column: str, sample_docs: int, seed: int) -> ShardScan:
+    """First pass over one shard.
+
+    Samples at most ``sample_docs`` usable documents with seeded random priorities (bottom-k sampling: merging the
+    shards' lowest priorities gives a uniform sample of the whole input that does not depend on scheduling).
+
+    Raises:
+        MissingColumnError: the shard lacks the text or id column (the message names the column and the file).
+    """
+    if shard.format == "parquet":
+        with open_input(shard.path) as f:
+            pf = pq.ParquetFile(f)
+            names = pf.schema_arrow.names
+            for col in (text_column, id_column):
+                if col not in names:
+                    raise MissingColumnError(f"input {shard.path} has no column {col!r} (columns: {names})")
+            rg_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
+            table = pf.read(columns=[id_column, text_column])
+        ids = table.column(id_column).combine_chunks()
+        texts = table.column(text_column).combine_chunks()
+        ids = ids.cast(pa.string()) if ids.type != pa.string() else ids
+        texts = texts.cast(pa.string()) if texts.type != pa.string() else texts
+        texts = texts.to_pylist()
+    else:
+        records, _ = read_jsonl_records(shard.path)
+        valid = [r for r in records if r is not None]
+        for col in (text_column, id_column):
+            if valid and not any(col in r for r in valid):
+                raise MissingColumnError(f"input {shard.path} has no column {col!r} (no record has that key)")
+        rg_rows = [len(records)]
+        ids = pa.array([None if r is None or r.get(id_column) is None else str(r.get(id_column)) for r in records], pa.string())
+        texts = [None if r is None else r.get(text_column) for r in records]
+    rng = np.random.default_rng([seed, shard.index])
+    priority = rng.random(len(texts))
+    usable = np.array([isinstance(t, str) and not t.isspace() and len(t) > 0 for t in texts], dtype=bool)
+    order = [i for i in np.argsort(priority, kind="stable") if usable[i]][:sample_docs]
+    sample = [(float(priority[i]), texts[i]) for i in order]
+    return ShardScan(shard_index=shard.index, row_group_rows=rg_rows, ids=ids, sample=sample)
+
+
+def duplicate_rows(scans: list[ShardScan]) -> dict[int, list[int]]:
+    """Rows whose id already appeared earlier in the run (in shard order, then row order): {shard: [rows]}.
+
+    Null ids are not duplicates (they are skipped as null_id)."""
+    import pandas as pd
+
+    frames = [
+        pd.DataFrame({"shard": s.shard_index, "row": np.arange(len(s.ids)), "id": s.ids.to_pandas()}) for s in scans
+    ]
+    if not frames:
+        return {}
+    df = pd.concat(frames, ignore_index=True)
+    df = df[df["id"].notna()]
+    dup = df[df.duplicated(subset="id", keep="first")]
+    return {int(k): sorted(int(r) for r in v) for k, v in dup.groupby("shard")["row"]}
+
+
+def work_units(shards: list[Shard], scans: list[ShardScan], duplicates: dict[int, list[int]]) -> list[dict]:
+    """Work units for the read operator (``operators.read.UNIT_SCHEMA``): one per parquet row group, one per JSONL
+    file. Each unit carries the duplicate rows that fall inside it."""
+    units = []
+    for shard, scan in zip(shards, scans):
+        offset = 0
+        dups = np.asarray(duplicates.get(shard.index, []), dtype=np.int64)
+        for rg, rows in enumerate(scan.row_group_rows):
+            inside = dups[(dups >= offset) & (dups < offset + rows)].tolist()
+            units.append(
+                {
+                    "shard_index": shard.index,
+                    "path": shard.path,
+                    "format": shard.format,
+                    "row_group": rg if shard.format == "parquet" else -1,
+                    "row_offset": offset,
+                    "duplicate_rows": inside,
+                }
+            )
+            offset += rows
+    return units
+
+
+def tfidf_sample(scans: list[ShardScan], sample_docs: int) -> list[str]:
+    """The ``sample_docs`` texts with the lowest priorities across all shards (a seeded uniform sample)."""
+    merged = sorted((p, s.shard_index, t) for s in scans for p, t in s.sample)[:sample_docs]
+    return [t for _, _, t in merged]

