@@ -1,0 +1,57 @@
+"""Typed config: file, --set overrides, validation errors that name the field."""
+
+import pytest
+
+from pipeline.config import DEFAULT_MINILM_THRESHOLD, E5_THRESHOLD, ConfigError, load_config
+
+
+def test_defaults_and_resolution():
+    cfg = load_config()
+    assert cfg.chunk.max_words == 120 and cfg.chunk.min_words == 5 and cfg.chunk.max_passages == 256
+    assert cfg.related.n_related == 4 and cfg.related.rrf_k == 10 and cfg.related.w_dense == 2 and cfg.related.w_lexical == 1
+    assert cfg.resolved_threshold() == DEFAULT_MINILM_THRESHOLD and cfg.resolved_prefix() == ""
+
+
+def test_e5_model_gets_prefix_and_paper_threshold():
+    cfg = load_config(overrides=["embed.model=intfloat/e5-base-unsupervised"])
+    assert cfg.resolved_prefix() == "passage: " and cfg.resolved_threshold() == E5_THRESHOLD == 0.825
+    cfg = load_config(overrides=["embed.model=intfloat/e5-base-unsupervised", "embed.passage_prefix=", "anchors.threshold=0.7"])
+    assert cfg.resolved_prefix() == "" and cfg.resolved_threshold() == 0.7
+
+
+def test_toml_file_then_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[chunk]\nmax_words = 80\n[embed]\nbatch_size = 8\ntrust_remote_code = false\n[anchors]\nthreshold = 0.7\n')
+    cfg = load_config(f, ["embed.batch_size=16", "tfidf.sublinear_tf=no"])
+    assert cfg.chunk.max_words == 80 and cfg.embed.batch_size == 16 and cfg.anchors.threshold == 0.7
+    assert cfg.tfidf.sublinear_tf is False
+    assert cfg.to_dict()["embed"]["batch_size"] == 16
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("chunk.max_words=0", "chunk.max_words = 0 is not allowed: must be >= 1"),
+        ("chunk.max_words=many", "chunk.max_words = 'many': expected int"),
+        ("embed.dtype=int8", "embed.dtype = 'int8' is not allowed: must be one of auto, float32, bfloat16, float16"),
+        ("anchors.threshold=1.5", "anchors.threshold = 1.5 is not allowed"),
+        ("embed.modle=x", "unknown config key 'embed.modle'"),
+        ("embedding.model=x", "unknown config section 'embedding'"),
+        ("batch_size", "must look like section.key=value"),
+        ("embed.trust_remote_code=maybe", "expected true or false"),
+    ],
+)
+def test_errors_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        load_config(overrides=[override])
+
+
+def test_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    (tmp_path / "bad.toml").write_text("[chunk\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(tmp_path / "bad.toml")
+    (tmp_path / "typed.toml").write_text('[chunk]\nmax_words = "eighty"\n')
+    with pytest.raises(ConfigError, match="chunk.max_words"):
+        load_config(tmp_path / "typed.toml")

