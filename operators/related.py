@@ -210,12 +210,17 @@ def fit_tfidf(passages: list[str], max_features: int = 1 << 18, sublinear_tf: bo
     cosine of two passages is the dot product of their rows; unigrams, lower-cased, float32.
 
     Raises:
-        ValueError: when ``passages`` is empty or holds no word at all.
+        EmptySampleError: when ``passages`` is empty or holds no word at all.
     """
     from sklearn.feature_extraction.text import TfidfVectorizer
 
-    if not passages:
-        raise ValueError("cannot fit TF-IDF: the sample holds no passage")
     vectorizer = TfidfVectorizer(max_features=max_features, sublinear_tf=sublinear_tf, dtype=np.float32, norm="l2")
-    vectorizer.fit(passages)
+    try:
+        vectorizer.fit(passages)
+    except ValueError as e:
+        raise EmptySampleError(f"cannot fit TF-IDF on {len(passages)} sampled passages: {e}") from e
     return vectorizer
+
+
+class EmptySampleError(ValueError):
+    """The TF-IDF sample holds no word (no passage at all, or only punctuation/numbers-free noise)."""

@@ -57,6 +57,7 @@ def part_name(shard_index: int) -> str:
 
 
 def staging_name(shard_index: int, first_row: int, last_row: int) -> str:
+    """Staging file of one batch's groups of one shard, named by the (inclusive) range of document rows it covers."""
     return f"shard-{shard_index:05d}/rows-{first_row:012d}-{last_row:012d}.parquet"
 
 
@@ -68,10 +69,6 @@ def write_table_atomic(fs, table: pa.Table, path: str) -> None:
     with fs.open(tmp, "wb") as f:
         pq.write_table(table, f, compression="zstd")
     fs.mv(tmp, path)
-
-
-def empty_stats() -> Counter:
-    return Counter()
 
 
 class GroupWriter:

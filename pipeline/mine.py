@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from pipeline import __version__
-from pipeline.config import MineConfig
+from pipeline.config import ConfigError, MineConfig
 from pipeline.inputs import discover_shards, duplicate_rows, scan_shard, tfidf_sample, work_units
 from pipeline.ray_adapter import Stage, apply_stage, cluster_cpus_per_node, cluster_gpus, init_ray, run_remote
 
@@ -38,18 +38,38 @@ class RunExistsError(RuntimeError):
 
 @dataclass
 class MineResult:
+    """What :func:`mine` returns: the run folder (path or URL) and the content of its stats.json."""
+
     run_dir: str
     stats: dict
 
 
 def new_run_id() -> str:
+    """A new run id: UTC time to the second plus 6 random hex digits, e.g. ``20261129T124700Z-a1b2c3``."""
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
 
 
 def model_id(cfg: MineConfig) -> str:
+    """The model name written on every group: ``embed.model``, or the default model's hub name."""
     from operators.embed import DEFAULT_MODEL_NAME
 
     return cfg.embed.model or DEFAULT_MODEL_NAME
+
+
+def check_model(cfg: MineConfig) -> None:
+    """Fail before any work when the configured model cannot be found (reads only its config).
+
+    Raises:
+        ConfigError: naming embed.model and the loader's reason.
+    """
+    if not cfg.embed.model:
+        return
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(cfg.embed.model, trust_remote_code=cfg.embed.trust_remote_code)
+    except Exception as e:  # transformers raises OSError/ValueError/HF errors depending on the cause
+        raise ConfigError(f"embed.model = {cfg.embed.model!r} cannot be loaded: {str(e).splitlines()[0]}") from None
 
 
 # Factories are module-level functions bound with functools.partial so that Ray can pickle them by reference.
@@ -218,14 +238,15 @@ def mine(cfg: MineConfig) -> MineResult:
     if fs.exists(f"{run_dir}/{SUCCESS_MARKER}"):
         raise RunExistsError(f"run {run_id} in {cfg.output.path} is already committed ({run_dir}/{SUCCESS_MARKER})")
     staging, groups_dir = f"{run_dir}/_staging", f"{run_dir}/groups"
+    url = (lambda p: fs.unstrip_protocol(p)) if "://" in cfg.output.path else (lambda p: p)
+    shards = discover_shards(cfg.input.path, cfg.input.format)
+    check_model(cfg)
     if fs.exists(staging):  # leftovers of an interrupted attempt of this run id
         fs.rm(staging, recursive=True)
     fs.makedirs(run_dir, exist_ok=True)
-    url = (lambda p: fs.unstrip_protocol(p)) if "://" in cfg.output.path else (lambda p: p)
-
-    shards = discover_shards(cfg.input.path, cfg.input.format)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
-    log.info("run %s: %d input shard(s) from %s; Ray %s", run_id, len(shards), cfg.input.path or "the shipped sample", where)
+    log.info("run %s -> %s: %d input shard(s) from %s; Ray %s", run_id, url(run_dir), len(shards),
+             cfg.input.path or "the shipped sample", where)
 
     # ---- first pass: ids (duplicates), layout (work units), seeded text sample (IDF) -----------------------------
     scans = run_remote(_scan, [(s, cfg) for s in shards])
@@ -233,13 +254,20 @@ def mine(cfg: MineConfig) -> MineResult:
     dups = duplicate_rows(scans)
     units = work_units(shards, scans, dups)
     from operators.chunk import chunk_text
-    from operators.related import fit_tfidf
+    from operators.related import EmptySampleError, fit_tfidf
 
     sample_passages = [
         p for text in tfidf_sample(scans, cfg.tfidf.sample_docs)
         for p in chunk_text(text, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages).passages
     ]
-    vectorizer = fit_tfidf(sample_passages, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)
+    try:
+        vectorizer = fit_tfidf(sample_passages, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)
+        tfidf_note = None
+    except EmptySampleError as e:
+        # No usable word in the whole sample (e.g. every document skipped): lexical scores are all 0 and the
+        # dense rank decides; said in the log and the manifest.
+        log.warning("%s; lexical (TF-IDF) scores will all be 0", e)
+        vectorizer, tfidf_note = fit_tfidf(["pairmine-empty-sample"]), str(e)
     with fs.open(f"{run_dir}/tfidf.joblib", "wb") as f:
         joblib.dump(vectorizer, f)
     del scans
@@ -278,7 +306,8 @@ def mine(cfg: MineConfig) -> MineResult:
     total, hists = merge_stats([json.loads(r["stats"]) for r in summaries])
     if sum(n for _, n in parts) != total["groups"]:
         raise RuntimeError(f"parts hold {sum(n for _, n in parts)} groups but the write stage counted {total['groups']}")
-    fs.rm(staging, recursive=True) if fs.exists(staging) else None
+    if fs.exists(staging):
+        fs.rm(staging, recursive=True)
 
     # ---- commit: stats, manifest, then the success marker -------------------------------------------------------
     stats = build_stats(total, hists, cfg, docs_expected, time.time() - t0)
@@ -295,7 +324,7 @@ def mine(cfg: MineConfig) -> MineResult:
             for s, (p, n) in zip(shards, parts)
         ],
         "tfidf": {"file": "tfidf.joblib", "sample_docs": cfg.tfidf.sample_docs, "sample_passages": len(sample_passages),
-                  "vocabulary": len(vectorizer.vocabulary_), "seed": cfg.tfidf.seed},
+                  "vocabulary": len(vectorizer.vocabulary_), "seed": cfg.tfidf.seed, "warning": tfidf_note},
         "versions": _versions(),
         "host": platform.node(),
         "pid": os.getpid(),

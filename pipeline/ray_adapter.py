@@ -91,12 +91,14 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
 
 
 def cluster_gpus() -> int:
+    """GPUs in the connected Ray cluster (0 on a CPU-only cluster)."""
     import ray
 
     return int(ray.cluster_resources().get("GPU", 0))
 
 
 def cluster_cpus_per_node() -> int:
+    """CPUs of the largest alive node (to size the embedder's torch threads)."""
     import ray
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]

@@ -181,3 +181,22 @@ def test_cli_bad_config_value_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--set", "chunk.max_words=0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "chunk.max_words = 0 is not allowed" in proc.stderr
+
+
+def test_input_with_no_usable_document_completes(tiny_model_dir, tmp_path):
+    pq.write_table(pa.table({"id": ["a", None, "c", "c"], "text": ["", "text", None, "Too short."]}), tmp_path / "x.parquet")
+    cfg = load_config(overrides=[f"input.path={tmp_path / 'x.parquet'}", f"output.path={tmp_path / 'runs'}",
+                                 "output.run_id=empty", f"embed.model={tiny_model_dir}"])
+    s = mine(cfg).stats
+    assert s["docs_in"] == 4 and s["groups"] == 0 and s["reconciled"]
+    assert s["docs_skipped"]["empty_text"] == 1 and s["docs_skipped"]["null_id"] == 1
+    assert s["docs_skipped"]["null_text"] == 1 and s["docs_skipped"]["duplicate_id"] == 1
+    assert (tmp_path / "runs" / "empty" / "_SUCCESS").exists()
+    assert pq.read_table(tmp_path / "runs" / "empty" / "groups" / "part-00000.parquet").num_rows == 0
+
+
+def test_cli_unknown_model_fails_before_any_work(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--output", str(tmp_path),
+                           "--set", f"embed.model={tmp_path / 'no-such-model'}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "embed.model = " in proc.stderr and "cannot be loaded" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no half-made run folder
