@@ -1,7 +1,7 @@
 """Chunk stage: document text -> passages of whole sentences (SPEC "Chunk").
 
 Sentences come from blingfire (a maintained, offline sentence splitter that also returns character offsets;
-~0.05 s/MB, see ../shared/ENVIRONMENT.md). Consecutive whole sentences are packed into passages of at most
+~0.05 s/MB of web text on our machines). Consecutive whole sentences are packed into passages of at most
 ``max_words`` words; a sentence longer than ``max_words`` is split at word boundaries. Passages shorter than
 ``min_words`` are dropped and counted; a document is capped at ``max_passages`` and the rest counted as truncated.
 """

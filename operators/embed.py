@@ -54,7 +54,7 @@ def pick_device(requested: str = "auto") -> str:
 def pick_dtype(requested: str, device: str) -> str:
     """Compute dtype for the forward pass: ``auto`` is bfloat16 on a GPU that supports it (else float16) and
     bfloat16 autocast on CPUs with native bf16 (AVX512-BF16/AMX; ~1.8x faster on our machines, cosine to fp32
-    >= 0.9999, ../shared/ENVIRONMENT.md), else float32."""
+    >= 0.9999 on our measurements), else float32."""
     import torch
 
     if requested != "auto":
@@ -135,8 +135,10 @@ class Embedder:
     def setup(self) -> None:
         """Load tokenizer and model once (called lazily on the first batch)."""
         import torch
+        import transformers
         from transformers import AutoModel, AutoTokenizer
 
+        transformers.logging.disable_progress_bar()  # one "Loading weights" bar per actor is noise in job logs
         if self.threads > 0:
             torch.set_num_threads(self.threads)
         self.device = pick_device(self.device_request)

@@ -16,7 +16,6 @@ from collections import Counter
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 # Output schema of a training group (one parquet row per group).
@@ -56,9 +55,13 @@ def part_name(shard_index: int) -> str:
     return f"part-{shard_index:05d}.parquet"
 
 
-def staging_name(shard_index: int, first_row: int, last_row: int) -> str:
-    """Staging file of one batch's groups of one shard, named by the (inclusive) range of document rows it covers."""
-    return f"shard-{shard_index:05d}/rows-{first_row:012d}-{last_row:012d}.parquet"
+def staging_name(shard_index: int, rows: np.ndarray) -> str:
+    """Staging file of one batch's groups of one shard, named by the document rows it holds: their range plus a hash
+    of the row set. A retried task writes the same rows under the same name (overwrite, no duplicate); two batches
+    never share a name because they never share a row."""
+    rows = np.unique(np.asarray(rows, dtype=np.int64))
+    digest = hashlib.sha1(rows.tobytes()).hexdigest()[:10]
+    return f"shard-{shard_index:05d}/rows-{rows[0]:012d}-{rows[-1]:012d}-{digest}.parquet"
 
 
 def write_table_atomic(fs, table: pa.Table, path: str) -> None:
@@ -151,8 +154,7 @@ class GroupWriter:
             fs, root = fsspec.core.url_to_fs(self.staging_dir)
             for shard in np.unique(shards):
                 part = table.filter(pa.array(shards == shard))
-                row_ix = part.column(STAGING_SORT_COLUMN)
-                name = staging_name(int(shard), pc.min(row_ix).as_py(), pc.max(row_ix).as_py())
+                name = staging_name(int(shard), part.column(STAGING_SORT_COLUMN).to_numpy())
                 write_table_atomic(fs, part, f"{root}/{name}")
                 staged.append(name)
         stats["centrality_histogram"] = cent_hist.tolist()

@@ -93,6 +93,22 @@ def cmd_mine(args) -> int:
     return 0
 
 
+def user_error(e: BaseException) -> str | None:
+    """The message to show for an error the user can fix (bad config, input, run id), or None for a bug.
+
+    Errors raised inside Ray tasks arrive wrapped in a RayTaskError; their cause is unwrapped here so the user sees
+    the message, not a remote traceback."""
+    from operators.read import MissingColumnError
+    from pipeline.config import ConfigError
+    from pipeline.inputs import InputError
+    from pipeline.mine import RunExistsError
+
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, (ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError)):
+        return str(cause)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -103,15 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from operators.read import MissingColumnError
-    from pipeline.config import ConfigError
-    from pipeline.mine import RunExistsError
-
     try:
         if args.command == "mine":
             return cmd_mine(args)
-    except (ConfigError, MissingColumnError, RunExistsError, FileNotFoundError) as e:
-        print(f"pairmine: error: {e}", file=sys.stderr)
+    except Exception as e:
+        message = user_error(e)
+        if message is None:
+            raise
+        print(f"pairmine: error: {message}", file=sys.stderr)
         return 2
     parser.error(f"unknown command {args.command}")
     return 2

@@ -8,6 +8,7 @@ manifest.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from pathlib import Path
 # the paper's 68% passage coverage (69.2%). See README, "Anchor threshold". E5's value on FineWeb is 0.825 (seed 000).
 DEFAULT_MINILM_THRESHOLD = 0.675
 E5_THRESHOLD = 0.825
+_RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
 def _f(default, help: str):
@@ -90,6 +92,8 @@ class RayConfig:
     address: str = _f("", 'empty: $RAY_ADDRESS if set, else start a local Ray')
     num_cpus: int = _f(0, 'local Ray only; 0: all cores')
     docs_per_batch: int = _f(64, 'documents per batch through the CPU stages and the embedder')
+    target_block_mb: float = _f(1.0, "Ray Data block size target in MB; small blocks keep the stages streaming (progress, "
+                                "bounded memory) instead of waiting for whole row groups")
 
 
 @dataclass
@@ -120,6 +124,8 @@ class MineConfig:
     def validate(self) -> "MineConfig":
         """Check ranges and choices. Raises ConfigError naming the field."""
         checks = [
+            ("output.run_id", _RUN_ID.fullmatch(self.output.run_id) is not None or self.output.run_id == "",
+             "letters, digits, '.', '_' or '-' (no '/', not starting with '.'), at most 128 characters"),
             ("input.format", self.input.format in ("auto", "parquet", "jsonl"), "one of auto, parquet, jsonl"),
             ("chunk.max_words", self.chunk.max_words >= 1, ">= 1"),
             ("chunk.min_words", 1 <= self.chunk.min_words <= self.chunk.max_words, "between 1 and chunk.max_words"),
@@ -139,6 +145,7 @@ class MineConfig:
             ("tfidf.max_features", self.tfidf.max_features >= 1, ">= 1"),
             ("ray.num_cpus", self.ray.num_cpus >= 0, ">= 0"),
             ("ray.docs_per_batch", self.ray.docs_per_batch >= 1, ">= 1"),
+            ("ray.target_block_mb", self.ray.target_block_mb > 0, "> 0"),
         ]
         for name, ok, allowed in checks:
             if not ok:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from operators.read import MissingColumnError, open_input, read_jsonl_records
@@ -21,6 +22,10 @@ from operators.read import MissingColumnError, open_input, read_jsonl_records
 SAMPLE_DIR = Path(__file__).parent / "sample" / "web-docs"
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+class InputError(ValueError):
+    """The input cannot be used as given (unknown format, unreadable or corrupt file); the message names the path."""
 
 
 @dataclass
@@ -86,22 +91,63 @@ def discover_shards(path: str = "", fmt: str = "auto") -> list[Shard]:
     for p in sorted(files):
         f = _format_of(p, fmt)
         if f is None:
-            raise ValueError(f"input {p}: cannot tell the format from the name; set input.format to parquet or jsonl")
+            raise InputError(
+                f"input {p}: cannot tell the format from the name (.parquet/.pq or .jsonl/.json/.ndjson); "
+                "set input.format to parquet or jsonl, or point --input at the data files"
+            )
         shards.append(Shard(index=len(shards), path=fs.unstrip_protocol(p) if "://" in path else p, format=f, size=int(fs.size(p) or 0)))
     if not shards:
         raise FileNotFoundError(f"input {path} holds no parquet or JSONL file")
     return shards
 
 
-def scan_shard(shard: Shard, text_column: str, id_column: str, sample_docs: int, seed: int) -> ShardScan:
+def check_parquet_shards(shards: list[Shard], required: tuple[str, ...]) -> int:
+    """Read every parquet shard's footer (cheap, also on s3://): check that it is parquet and has the required
+    columns, before any work starts.
+
+    Returns:
+        The parquet shards' total row count (JSONL shards count 0).
+
+    Raises:
+        InputError: a file is not readable parquet. MissingColumnError: a required column is missing.
+    """
+    total = 0
+    for shard in shards:
+        if shard.format != "parquet":
+            continue
+        try:
+            with open_input(shard.path) as f:
+                pf = pq.ParquetFile(f)
+                names, rows = pf.schema_arrow.names, pf.metadata.num_rows
+        except (pa.ArrowInvalid, OSError) as e:
+            raise InputError(f"input {shard.path} is not a readable parquet file: {e}") from None
+        for col in required:
+            if col not in names:
+                raise MissingColumnError(f"input {shard.path} has no column {col!r} (columns: {names})")
+        total += rows
+    return total
+
+
+def sample_cut(sample_docs: int, known_rows: int) -> float:
+    """Priority below which a document may join the TF-IDF sample: 3x the expected rate, so the union of the shards'
+    candidates almost always holds the global ``sample_docs`` lowest priorities while each shard returns only
+    ~3 * sample_docs * (its share of the rows) texts. 1.0 (no cut) when no row count is known (JSONL)."""
+    return 1.0 if known_rows <= 0 else min(1.0, 3.0 * sample_docs / known_rows)
+
+
+def scan_shard(shard: Shard, text_column: str, id_column: str, sample_docs: int, seed: int, cut: float = 1.0) -> ShardScan:
     """First pass over one shard.
 
-    Samples at most ``sample_docs`` usable documents with seeded random priorities (bottom-k sampling: merging the
-    shards' lowest priorities gives a uniform sample of the whole input that does not depend on scheduling).
+    Every document gets a seeded random priority in [0, 1) (seed and shard index); usable documents (the read
+    stage's rules) whose priority is below ``cut`` are candidates, and the shard returns its ``sample_docs`` lowest.
+    Merging the shards' candidates and keeping the lowest priorities overall (bottom-k sampling) gives a uniform
+    sample of the input that does not depend on scheduling: same seed and input, same sample.
 
     Raises:
         MissingColumnError: the shard lacks the text or id column (the message names the column and the file).
     """
+    from operators.read import skip_reasons
+
     if shard.format == "parquet":
         with open_input(shard.path) as f:
             pf = pq.ParquetFile(f)
@@ -115,7 +161,7 @@ def scan_shard(shard: Shard, text_column: str, id_column: str, sample_docs: int,
         texts = table.column(text_column).combine_chunks()
         ids = ids.cast(pa.string()) if ids.type != pa.string() else ids
         texts = texts.cast(pa.string()) if texts.type != pa.string() else texts
-        texts = texts.to_pylist()
+        invalid = None
     else:
         records, _ = read_jsonl_records(shard.path)
         valid = [r for r in records if r is not None]
@@ -124,30 +170,44 @@ def scan_shard(shard: Shard, text_column: str, id_column: str, sample_docs: int,
                 raise MissingColumnError(f"input {shard.path} has no column {col!r} (no record has that key)")
         rg_rows = [len(records)]
         ids = pa.array([None if r is None or r.get(id_column) is None else str(r.get(id_column)) for r in records], pa.string())
-        texts = [None if r is None else r.get(text_column) for r in records]
-    rng = np.random.default_rng([seed, shard.index])
-    priority = rng.random(len(texts))
-    usable = np.array([isinstance(t, str) and not t.isspace() and len(t) > 0 for t in texts], dtype=bool)
-    order = [i for i in np.argsort(priority, kind="stable") if usable[i]][:sample_docs]
-    sample = [(float(priority[i]), texts[i]) for i in order]
+        texts = pa.array([None if r is None or not isinstance(r.get(text_column), str) else r[text_column] for r in records], pa.string())
+        invalid = np.array([r is None for r in records], dtype=bool)
+    priority = np.random.default_rng([seed, shard.index]).random(len(ids))  # (rows,)
+    reasons = skip_reasons(ids, texts, np.zeros(len(ids), bool), invalid)
+    candidate = pc.is_null(reasons).to_numpy(zero_copy_only=False) & (priority < cut)
+    rows = np.flatnonzero(candidate)
+    rows = rows[np.argsort(priority[rows], kind="stable")][:sample_docs]
+    sample = list(zip(priority[rows].tolist(), texts.take(pa.array(rows, pa.int64())).to_pylist()))
     return ShardScan(shard_index=shard.index, row_group_rows=rg_rows, ids=ids, sample=sample)
 
 
 def duplicate_rows(scans: list[ShardScan]) -> dict[int, list[int]]:
     """Rows whose id already appeared earlier in the run (in shard order, then row order): {shard: [rows]}.
 
-    Null ids are not duplicates (they are skipped as null_id)."""
-    import pandas as pd
-
-    frames = [
-        pd.DataFrame({"shard": s.shard_index, "row": np.arange(len(s.ids)), "id": s.ids.to_pandas()}) for s in scans
-    ]
-    if not frames:
+    Null ids are not duplicates (they are skipped as null_id). Runs in Arrow (group-by and join in C++), holding the
+    run's ids once in memory."""
+    if not scans:
         return {}
-    df = pd.concat(frames, ignore_index=True)
-    df = df[df["id"].notna()]
-    dup = df[df.duplicated(subset="id", keep="first")]
-    return {int(k): sorted(int(r) for r in v) for k, v in dup.groupby("shard")["row"]}
+    table = pa.concat_tables(
+        [
+            pa.table({"id": s.ids, "shard": pa.array(np.full(len(s.ids), s.shard_index, np.int32)),
+                      "row": pa.array(np.arange(len(s.ids), dtype=np.int64))})
+            for s in scans
+        ]
+    )
+    table = table.filter(pc.is_valid(table.column("id")))
+    # Position in run order: shard, then row.
+    table = table.append_column("pos", pc.add(pc.multiply(pc.cast(table.column("shard"), pa.int64()), 1 << 40), table.column("row")))
+    first = table.group_by("id").aggregate([("pos", "min"), ("pos", "count")])
+    repeated = first.filter(pc.greater(first.column("pos_count"), 1))
+    if repeated.num_rows == 0:
+        return {}
+    joined = table.join(repeated.select(["id", "pos_min"]), "id", join_type="inner")
+    dup = joined.filter(pc.not_equal(joined.column("pos"), joined.column("pos_min")))
+    out: dict[int, list[int]] = {}
+    for shard, row in zip(dup.column("shard").to_pylist(), dup.column("row").to_pylist()):
+        out.setdefault(int(shard), []).append(int(row))
+    return {k: sorted(v) for k, v in sorted(out.items())}
 
 
 def work_units(shards: list[Shard], scans: list[ShardScan], duplicates: dict[int, list[int]]) -> list[dict]:

@@ -17,6 +17,7 @@ import logging
 import os
 import platform
 import secrets
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from functools import partial
 
 from pipeline import __version__
 from pipeline.config import ConfigError, MineConfig
-from pipeline.inputs import discover_shards, duplicate_rows, scan_shard, tfidf_sample, work_units
+from pipeline.inputs import (
+    check_parquet_shards, discover_shards, duplicate_rows, sample_cut, scan_shard, tfidf_sample, work_units,
+)
 from pipeline.ray_adapter import Stage, apply_stage, cluster_cpus_per_node, cluster_gpus, init_ray, run_remote
 
 log = logging.getLogger("pairmine")
@@ -54,6 +57,34 @@ def model_id(cfg: MineConfig) -> str:
     from operators.embed import DEFAULT_MODEL_NAME
 
     return cfg.embed.model or DEFAULT_MODEL_NAME
+
+
+class Progress:
+    """Log lines "documents done / total, groups, rate, ETA" at most every ``every_s`` seconds (readable both on a
+    terminal and in a job log)."""
+
+    def __init__(self, total: int, every_s: float = 5.0):
+        self.total, self.every_s = total, every_s
+        self.docs = self.groups = 0
+        self.t0 = self.last = time.time()
+
+    def update(self, docs: int, groups: int) -> None:
+        self.docs += docs
+        self.groups += groups
+        now = time.time()
+        if now - self.last >= self.every_s:
+            self.last = now
+            self._log(now)
+
+    def _log(self, now: float) -> None:
+        rate = self.docs / max(now - self.t0, 1e-9)
+        eta = (self.total - self.docs) / rate if rate > 0 else float("inf")
+        log.info("progress: %d / %d documents (%.1f%%), %d groups, %.1f documents/s, ETA %s",
+                 self.docs, self.total, 100.0 * self.docs / max(self.total, 1), self.groups, rate,
+                 f"{eta:.0f} s" if eta != float("inf") else "?")
+
+    def done(self) -> None:
+        self._log(time.time())
 
 
 def check_model(cfg: MineConfig) -> None:
@@ -111,8 +142,8 @@ def _make_write(staging: str, run_id: str, model: str, threshold: float):
     return GroupWriter(staging, run_id, model, threshold)
 
 
-def _scan(shard, cfg: MineConfig):
-    return scan_shard(shard, cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs, cfg.tfidf.seed)
+def _scan(shard, cfg: MineConfig, cut: float):
+    return scan_shard(shard, cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs, cfg.tfidf.seed, cut)
 
 
 def _compact(staging: str, groups_dir: str, shard_index: int):
@@ -234,22 +265,27 @@ def mine(cfg: MineConfig) -> MineResult:
     t0 = time.time()
     run_id = cfg.output.run_id or new_run_id()
     fs, out_root = fsspec.core.url_to_fs(cfg.output.path.rstrip("/") or ".")
+    if fs.exists(out_root) and not fs.isdir(out_root):
+        raise ConfigError(f"output.path = {cfg.output.path!r} is a file; it must be a folder (created if missing)")
     run_dir = f"{out_root}/{run_id}"
     if fs.exists(f"{run_dir}/{SUCCESS_MARKER}"):
-        raise RunExistsError(f"run {run_id} in {cfg.output.path} is already committed ({run_dir}/{SUCCESS_MARKER})")
+        raise RunExistsError(
+            f"run {run_id} in {cfg.output.path} is already committed ({run_dir}/{SUCCESS_MARKER}); "
+            "choose another --run-id, or leave it out for a new one"
+        )
     staging, groups_dir = f"{run_dir}/_staging", f"{run_dir}/groups"
     url = (lambda p: fs.unstrip_protocol(p)) if "://" in cfg.output.path else (lambda p: p)
+    # Everything that can be checked cheaply is checked before Ray starts and before the run folder exists.
     shards = discover_shards(cfg.input.path, cfg.input.format)
+    known_rows = check_parquet_shards(shards, (cfg.input.text_column, cfg.input.id_column))
     check_model(cfg)
-    if fs.exists(staging):  # leftovers of an interrupted attempt of this run id
-        fs.rm(staging, recursive=True)
-    fs.makedirs(run_dir, exist_ok=True)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     log.info("run %s -> %s: %d input shard(s) from %s; Ray %s", run_id, url(run_dir), len(shards),
              cfg.input.path or "the shipped sample", where)
 
     # ---- first pass: ids (duplicates), layout (work units), seeded text sample (IDF) -----------------------------
-    scans = run_remote(_scan, [(s, cfg) for s in shards])
+    cut = sample_cut(cfg.tfidf.sample_docs, known_rows)
+    scans = run_remote(_scan, [(s, cfg, cut) for s in shards])
     docs_expected = sum(s.num_rows for s in scans)
     dups = duplicate_rows(scans)
     units = work_units(shards, scans, dups)
@@ -268,6 +304,9 @@ def mine(cfg: MineConfig) -> MineResult:
         # dense rank decides; said in the log and the manifest.
         log.warning("%s; lexical (TF-IDF) scores will all be 0", e)
         vectorizer, tfidf_note = fit_tfidf(["pairmine-empty-sample"]), str(e)
+    if fs.exists(staging):  # leftovers of an interrupted attempt of this run id
+        fs.rm(staging, recursive=True)
+    fs.makedirs(run_dir, exist_ok=True)
     with fs.open(f"{run_dir}/tfidf.joblib", "wb") as f:
         joblib.dump(vectorizer, f)
     del scans
@@ -296,14 +335,26 @@ def mine(cfg: MineConfig) -> MineResult:
         "mining with %s (prefix %r, anchor threshold %.3f): %d embed actor(s) on %s, %d thread(s) each",
         model_id(cfg), cfg.resolved_prefix(), threshold, actors, device, threads,
     )
+    data_ctx = ray.data.DataContext.get_current()
+    # Measured on the sample: with Ray's default 128 MB target, a whole row group leaves the embed actor as one
+    # block at the end of its task and the later stages wait; 1 MB blocks stream batch by batch.
+    data_ctx.target_max_block_size = int(cfg.ray.target_block_mb * 1024 * 1024)
+    if not sys.stderr.isatty():
+        # Ray's bars become a multi-line status block every few seconds in a log; our progress lines say it better.
+        data_ctx.enable_progress_bars = False
     ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
     for stage in stages:
         ds = apply_stage(ds, stage)
-    summaries = ds.take_all()
+    summaries = []
+    progress = Progress(docs_expected)
+    for row in ds.iter_rows():  # one small row per written batch, streamed as batches finish
+        summaries.append(json.loads(row["stats"]))
+        progress.update(summaries[-1].get("docs_in", 0), summaries[-1].get("groups", 0))
+    progress.done()
 
     # ---- compact staging files into one part per input shard ---------------------------------------------------
     parts = run_remote(_compact, [(url(staging), url(groups_dir), s.index) for s in shards])
-    total, hists = merge_stats([json.loads(r["stats"]) for r in summaries])
+    total, hists = merge_stats(summaries)
     if sum(n for _, n in parts) != total["groups"]:
         raise RuntimeError(f"parts hold {sum(n for _, n in parts)} groups but the write stage counted {total['groups']}")
     if fs.exists(staging):

@@ -56,12 +56,11 @@ def apply_stage(ds, stage: Stage):
     if stage.num_gpus:
         common["num_gpus"] = stage.num_gpus
     if stage.actors > 0:
-        return ds.map_batches(
-            _ActorOperator,
-            fn_constructor_args=(stage.make,),
-            compute=ray.data.ActorPoolStrategy(size=stage.actors),
-            **common,
-        )
+        # A class per stage with the factory in its closure: named after the stage in Ray's progress, and no
+        # constructor arguments (Ray warns about constructor args kept in the object store for restartable actors).
+        make = stage.make
+        cls = type(stage.name.title(), (_ActorOperator,), {"__init__": lambda self: _ActorOperator.__init__(self, make)})
+        return ds.map_batches(cls, compute=ray.data.ActorPoolStrategy(size=stage.actors), **common)
     op = stage.make()
     op.__name__ = stage.name  # Ray names the task after the callable
     return ds.map_batches(op, **common)

@@ -200,3 +200,31 @@ def test_cli_unknown_model_fails_before_any_work(tmp_path):
                            "--set", f"embed.model={tmp_path / 'no-such-model'}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "embed.model = " in proc.stderr and "cannot be loaded" in proc.stderr
     assert list(tmp_path.iterdir()) == []  # no half-made run folder
+
+
+@pytest.mark.parametrize("case", ["not-data", "corrupt", "output-is-file", "bad-run-id", "jsonl-missing-key"])
+def test_cli_user_errors_are_one_line(tmp_path, case):
+    args = ["--output", str(tmp_path / "runs")]
+    if case == "not-data":
+        (tmp_path / "notes.txt").write_text("hello")
+        args += ["--input", str(tmp_path / "notes.txt")]
+        expected = "cannot tell the format"
+    elif case == "corrupt":
+        (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+        args += ["--input", str(tmp_path / "bad.parquet")]
+        expected = "is not a readable parquet file"
+    elif case == "output-is-file":
+        (tmp_path / "file").write_text("x")
+        args = ["--output", str(tmp_path / "file")]
+        expected = "is a file; it must be a folder"
+    elif case == "bad-run-id":
+        args += ["--run-id", "../escape"]
+        expected = "output.run_id = '../escape' is not allowed"
+    else:
+        (tmp_path / "d.jsonl").write_text(json.dumps({"id": "a", "body": "text"}) + "\n")
+        args += ["--input", str(tmp_path / "d.jsonl")]
+        expected = "has no column 'text' (no record has that key)"
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert expected in proc.stderr and "Traceback" not in proc.stderr and "ray::" not in proc.stderr
+    assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []  # no half-made run folder

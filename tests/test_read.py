@@ -7,7 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from operators.read import MissingColumnError, ReadDocuments
-from pipeline.inputs import discover_shards, duplicate_rows, scan_shard, tfidf_sample, work_units
+from pipeline.inputs import (
+    InputError, check_parquet_shards, discover_shards, duplicate_rows, sample_cut, scan_shard, tfidf_sample, work_units,
+)
 
 
 def _plan(path):
@@ -77,3 +79,15 @@ def test_tfidf_sample_is_seeded_and_uniform_over_shards(sample_dir):
     b = tfidf_sample([scan_shard(s, "text", "id", 50, 7) for s in shards], 50)
     c = tfidf_sample([scan_shard(s, "text", "id", 50, 8) for s in shards], 50)
     assert a == b and a != c and len(a) == 50
+    # With the per-shard cut (3x the expected rate) each shard returns far fewer texts, same sample.
+    cut = sample_cut(50, check_parquet_shards(shards, ("text", "id")))
+    assert cut == pytest.approx(150 / 827)
+    scans = [scan_shard(s, "text", "id", 50, 7, cut) for s in shards]
+    assert sum(len(s.sample) for s in scans) < 4 * 50 and tfidf_sample(scans, 50) == a
+
+
+def test_duplicates_inside_one_shard_and_null_ids(tmp_path):
+    pq.write_table(pa.table({"id": ["a", "b", "a", None, None, "b", "a"], "text": ["t"] * 7}), tmp_path / "x.parquet")
+    _, scans, units = _plan(tmp_path)
+    assert duplicate_rows(scans) == {0: [2, 5, 6]}
+    assert units[0]["duplicate_rows"] == [2, 5, 6]
