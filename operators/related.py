@@ -28,6 +28,11 @@ GROUP_TYPE = pa.struct(
     ]
 )
 
+# A group after the consistency filter (operators/consistency.py): s, n_above, kept added.
+FILTERED_GROUP_TYPE = pa.struct(
+    list(GROUP_TYPE) + [("s", pa.float32()), ("n_above", pa.int64()), ("kept", pa.bool_())]
+)
+
 # Why a processed document yields no group (counted in stats as docs_without_groups_by_reason).
 NO_PASSAGES = "no_passages"
 TOO_FEW_PASSAGES = "too_few_passages"

@@ -33,8 +33,10 @@ GROUP_SCHEMA = pa.schema(
         ("related_dense", pa.list_(pa.float32())),
         ("related_tfidf", pa.list_(pa.float32())),
         ("related_rrf", pa.list_(pa.float32())),
-        ("s", pa.float32()),  # cos(anchor, s1) as seen by the consistency filter; null until the filter runs
-        ("n_above", pa.int32()),  # pool passages above s; null until the filter runs
+        ("s", pa.float32()),  # cos(anchor, s1) as computed by the consistency filter; null when it is off
+        ("n_above", pa.int64()),  # pool passages of other documents with cos(anchor, p) > s; null when it is off
+        ("pool_size", pa.int64()),  # P, passages in the consistency pool; null when the filter is off
+        ("consistency_k", pa.int32()),  # keep iff n_above < k; null when the filter is off
         ("model", pa.string()),
     ]
 )
@@ -43,6 +45,8 @@ STAGING_SORT_COLUMN = "_row_index"
 # Centrality histogram: 40 bins of width 0.05 over [-1, 1]; groups-per-document histogram: 0..31, last bin "32+".
 CENTRALITY_BINS = np.linspace(-1.0, 1.0, 41)
 GROUPS_PER_DOC_MAX = 32
+# n_above histogram bins: 0, 1, 2, 3, 4, 5-9, 10-19, 20-49, 50-99, 100-999, 1000-9999, 10000+.
+N_ABOVE_BINS = np.array([0, 1, 2, 3, 4, 5, 10, 20, 50, 100, 1000, 10000, np.iinfo(np.int64).max], dtype=np.float64)
 
 
 def group_id(doc_id: str, anchor_index: int) -> str:
@@ -75,18 +79,23 @@ def write_table_atomic(fs, table: pa.Table, path: str) -> None:
 
 
 class GroupWriter:
-    """Write operator. Input: document rows after the related stage. Output: one row per batch with columns
-    ``staged`` (list<string>, staging files written) and ``stats`` (JSON of this batch's counts).
+    """Write operator. Input: document rows after the related stage (and the consistency filter, when it runs).
+    Output: one row per batch with columns ``staged`` (list<string>, staging files written) and ``stats`` (JSON of
+    this batch's counts).
 
     Args:
-        staging_dir: folder (local path or fsspec URL) for staging files.
+        staging_dir: folder (local path or fsspec URL) for staging files (``groups/`` and ``dropped/`` below it).
         run_id: written on every group.
         model: model id written on every group.
         threshold: anchor threshold (for the anchors count).
+        pool_size, k: the consistency filter's P and k, written on every group (None: the filter is off).
+        side_output: also stage the groups the consistency filter dropped (for ``<run>/dropped/``).
     """
 
-    def __init__(self, staging_dir: str, run_id: str, model: str, threshold: float):
+    def __init__(self, staging_dir: str, run_id: str, model: str, threshold: float, pool_size: int | None = None,
+                 k: int | None = None, side_output: bool = False):
         self.staging_dir, self.run_id, self.model, self.threshold = staging_dir.rstrip("/"), run_id, model, threshold
+        self.pool_size, self.k, self.side_output = pool_size, k, side_output
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         import fsspec
@@ -94,9 +103,8 @@ class GroupWriter:
         stats = Counter()
         cent_hist = np.zeros(len(CENTRALITY_BINS) - 1, dtype=np.int64)
         gpd_hist = np.zeros(GROUPS_PER_DOC_MAX + 1, dtype=np.int64)
-        rows: dict[str, list] = {name: [] for name in GROUP_SCHEMA.names}
-        rows[STAGING_SORT_COLUMN] = []
-        shard_of_group: list[int] = []
+        n_above_hist = np.zeros(len(N_ABOVE_BINS) - 1, dtype=np.int64)
+        out = {"groups": _GroupRows(), "dropped": _GroupRows()}
 
         docs = batch.select(
             ["shard_index", "row_index", "id", "url", "skip_reason", "passages", "centrality", "groups", "no_group_reason",
@@ -115,51 +123,72 @@ class GroupWriter:
             stats["anchors"] += sum(c >= self.threshold for c in cent)
             if cent:
                 cent_hist += np.histogram(np.clip(cent, -1.0, 1.0), bins=CENTRALITY_BINS)[0]
-            gpd_hist[min(len(groups), GROUPS_PER_DOC_MAX)] += 1
-            if not groups:
+            stats["groups_mined"] += len(groups)
+            if groups and "n_above" in groups[0]:
+                n_above_hist += np.histogram([g["n_above"] for g in groups], bins=N_ABOVE_BINS)[0]
+            kept = [g for g in groups if g.get("kept", True)]
+            dropped = [g for g in groups if not g.get("kept", True)]
+            stats["groups_dropped_consistency"] += len(dropped)
+            gpd_hist[min(len(kept), GROUPS_PER_DOC_MAX)] += 1
+            if self.side_output:
+                for g in dropped:
+                    out["dropped"].add(self, d, g)
+            if not kept:
+                reason = d["no_group_reason"] or "consistency_filter"  # every mined group was dropped by the filter
                 stats["docs_without_groups"] += 1
-                stats[f"docs_without_groups_by_reason.{d['no_group_reason']}"] += 1
+                stats[f"docs_without_groups_by_reason.{reason}"] += 1
                 continue
             stats["docs_with_groups"] += 1
-            stats["groups"] += len(groups)
+            stats["groups"] += len(kept)
             used = set()
-            for g in groups:
-                a, rel = g["anchor_index"], g["related_indices"]
-                used.add(a)
-                used.update(rel)
-                rows["run_id"].append(self.run_id)
-                rows["group_id"].append(group_id(d["id"], a))
-                rows["doc_id"].append(d["id"])
-                rows["url"].append(d["url"])
-                rows["anchor_index"].append(a)
-                rows["anchor_text"].append(passages[a])
-                rows["anchor_centrality"].append(cent[a])
-                rows["related_indices"].append(rel)
-                rows["related_texts"].append([passages[j] for j in rel])
-                rows["related_dense"].append(g["dense"])
-                rows["related_tfidf"].append(g["tfidf"])
-                rows["related_rrf"].append(g["rrf"])
-                rows["s"].append(None)
-                rows["n_above"].append(None)
-                rows["model"].append(self.model)
-                rows[STAGING_SORT_COLUMN].append(d["row_index"])
-                shard_of_group.append(d["shard_index"])
+            for g in kept:
+                used.add(g["anchor_index"])
+                used.update(g["related_indices"])
+                out["groups"].add(self, d, g)
             stats["passages_in_groups"] += len(used)
 
         staged = []
-        if shard_of_group:
-            schema = GROUP_SCHEMA.append(pa.field(STAGING_SORT_COLUMN, pa.int64()))
-            table = pa.Table.from_pydict(rows, schema=schema)
-            shards = np.asarray(shard_of_group)
-            fs, root = fsspec.core.url_to_fs(self.staging_dir)
-            for shard in np.unique(shards):
-                part = table.filter(pa.array(shards == shard))
-                name = staging_name(int(shard), part.column(STAGING_SORT_COLUMN).to_numpy())
-                write_table_atomic(fs, part, f"{root}/{name}")
-                staged.append(name)
+        fs, root = fsspec.core.url_to_fs(self.staging_dir)
+        for kind, rows in out.items():
+            staged += rows.stage(fs, f"{root}/{kind}", kind)
         stats["centrality_histogram"] = cent_hist.tolist()
         stats["groups_per_doc_histogram"] = gpd_hist.tolist()
+        stats["n_above_histogram"] = n_above_hist.tolist()
         return pa.table({"staged": pa.array([staged], pa.list_(pa.string())), "stats": [json.dumps(dict(stats))]})
+
+
+class _GroupRows:
+    """Group rows of one batch, column by column, with the shard of each, staged per shard."""
+
+    def __init__(self):
+        self.cols: dict[str, list] = {name: [] for name in (*GROUP_SCHEMA.names, STAGING_SORT_COLUMN)}
+        self.shards: list[int] = []
+
+    def add(self, w: GroupWriter, d: dict, g: dict) -> None:
+        a, rel, passages, c = g["anchor_index"], g["related_indices"], d["passages"], self.cols
+        values = {
+            "run_id": w.run_id, "group_id": group_id(d["id"], a), "doc_id": d["id"], "url": d["url"],
+            "anchor_index": a, "anchor_text": passages[a], "anchor_centrality": d["centrality"][a],
+            "related_indices": rel, "related_texts": [passages[j] for j in rel], "related_dense": g["dense"],
+            "related_tfidf": g["tfidf"], "related_rrf": g["rrf"], "s": g.get("s"), "n_above": g.get("n_above"),
+            "pool_size": w.pool_size, "consistency_k": w.k, "model": w.model, STAGING_SORT_COLUMN: d["row_index"],
+        }
+        for name, value in values.items():
+            c[name].append(value)
+        self.shards.append(d["shard_index"])
+
+    def stage(self, fs, root: str, kind: str) -> list[str]:
+        if not self.shards:
+            return []
+        table = pa.Table.from_pydict(self.cols, schema=GROUP_SCHEMA.append(pa.field(STAGING_SORT_COLUMN, pa.int64())))
+        shards = np.asarray(self.shards)
+        names = []
+        for shard in np.unique(shards):
+            part = table.filter(pa.array(shards == shard))
+            name = staging_name(int(shard), part.column(STAGING_SORT_COLUMN).to_numpy())
+            write_table_atomic(fs, part, f"{root}/{name}")
+            names.append(f"{kind}/{name}")
+        return names
 
 
 def compact_shard(staging_dir: str, output_dir: str, shard_index: int) -> tuple[str, int]:

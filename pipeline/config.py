@@ -80,6 +80,18 @@ class RelatedConfig:
 
 
 @dataclass
+class ConsistencyConfig:
+    enabled: bool = _f(True, "E5's consistency filter: keep a group iff fewer than k pool passages of other documents "
+                       "beat cos(anchor, s1) (seed 004)")
+    pool_size: int = _f(1_000_000, "P, random passages in the pool (E5: 1,000,000); smaller inputs give what they have")
+    k: int = _f(2, "keep iff n_above < k (E5: 2)")
+    seed: int = _f(0, "seed of the pool sample: same seed and input give the same pool")
+    side_output: bool = _f(False, "also write the dropped groups to <run>/dropped/ for audit")
+    chunk_mb: float = _f(64.0, "memory for one chunk of pool scores per batch, in MB")
+    num_actors: int = _f(0, "filter actors; 0: one per GPU when the cluster has GPUs, else 1")
+
+
+@dataclass
 class TfidfConfig:
     sample_docs: int = _f(20000, 'documents sampled (seeded) across the input to fit the IDF')
     seed: int = _f(0, "seed of the TF-IDF sample: same seed and input give the same IDF")
@@ -104,6 +116,7 @@ class MineConfig:
     embed: EmbedConfig = field(default_factory=EmbedConfig)
     anchors: AnchorConfig = field(default_factory=AnchorConfig)
     related: RelatedConfig = field(default_factory=RelatedConfig)
+    consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
     tfidf: TfidfConfig = field(default_factory=TfidfConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -141,6 +154,10 @@ class MineConfig:
             ("related.rrf_k", self.related.rrf_k >= 0, ">= 0"),
             ("related.w_dense", self.related.w_dense >= 0, ">= 0"),
             ("related.w_lexical", self.related.w_lexical >= 0, ">= 0"),
+            ("consistency.pool_size", self.consistency.pool_size >= 0, ">= 0"),
+            ("consistency.k", self.consistency.k >= 1, ">= 1"),
+            ("consistency.chunk_mb", self.consistency.chunk_mb > 0, "> 0"),
+            ("consistency.num_actors", self.consistency.num_actors >= 0, ">= 0"),
             ("tfidf.sample_docs", self.tfidf.sample_docs >= 1, ">= 1"),
             ("tfidf.max_features", self.tfidf.max_features >= 1, ">= 1"),
             ("ray.num_cpus", self.ray.num_cpus >= 0, ">= 0"),

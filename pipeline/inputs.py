@@ -39,6 +39,27 @@ class Shard:
 
 
 @dataclass
+class PoolSpec:
+    """How the first pass samples the consistency filter's pool of random passages (see :func:`scan_shard`).
+
+    Attributes:
+        size: passages wanted in the whole pool (P).
+        seed: pool seed: same seed and input, same pool.
+        doc_cut: documents whose pool priority is below this are chunked into candidates.
+        known_rows: rows of the input known from parquet footers (0: unknown), to size each shard's share.
+        max_words, min_words, max_passages: the chunking of the run (pool passages are chunked like all others).
+    """
+
+    size: int
+    seed: int
+    doc_cut: float
+    known_rows: int
+    max_words: int = 120
+    min_words: int = 5
+    max_passages: int = 256
+
+
+@dataclass
 class ShardScan:
     """What the first pass learns about one shard (see :func:`scan_shard`)."""
 
@@ -46,6 +67,7 @@ class ShardScan:
     row_group_rows: list[int]  # rows per parquet row group; one entry (all rows) for JSONL
     ids: pa.Array  # string ids in row order (null where missing)
     sample: list[tuple[float, str]] = field(default_factory=list)  # (priority, text) of the sampled documents
+    pool: list[tuple[float, int, str]] = field(default_factory=list)  # (priority, doc hash, passage) pool candidates
 
     @property
     def num_rows(self) -> int:
@@ -135,13 +157,21 @@ def sample_cut(sample_docs: int, known_rows: int) -> float:
     return 1.0 if known_rows <= 0 else min(1.0, 3.0 * sample_docs / known_rows)
 
 
-def scan_shard(shard: Shard, text_column: str, id_column: str, sample_docs: int, seed: int, cut: float = 1.0) -> ShardScan:
+def scan_shard(
+    shard: Shard, text_column: str, id_column: str, sample_docs: int, seed: int, cut: float = 1.0,
+    pool: PoolSpec | None = None,
+) -> ShardScan:
     """First pass over one shard.
 
     Every document gets a seeded random priority in [0, 1) (seed and shard index); usable documents (the read
     stage's rules) whose priority is below ``cut`` are candidates, and the shard returns its ``sample_docs`` lowest.
     Merging the shards' candidates and keeping the lowest priorities overall (bottom-k sampling) gives a uniform
     sample of the input that does not depend on scheduling: same seed and input, same sample.
+
+    With ``pool``, the same scheme draws the consistency filter's pool: usable documents below ``pool.doc_cut``
+    (a second seeded priority) are chunked, each passage gets its own seeded priority, and the shard returns its
+    lowest ``2 * size * (its share of the rows)`` passages, so the lowest ``size`` over all shards are a uniform,
+    seeded sample of the input's passages.
 
     Raises:
         MissingColumnError: the shard lacks the text or id column (the message names the column and the file).
@@ -178,7 +208,34 @@ def scan_shard(shard: Shard, text_column: str, id_column: str, sample_docs: int,
     rows = np.flatnonzero(candidate)
     rows = rows[np.argsort(priority[rows], kind="stable")][:sample_docs]
     sample = list(zip(priority[rows].tolist(), texts.take(pa.array(rows, pa.int64())).to_pylist()))
-    return ShardScan(shard_index=shard.index, row_group_rows=rg_rows, ids=ids, sample=sample)
+    pool_candidates = _pool_candidates(shard, ids, texts, reasons, pool) if pool is not None and pool.size > 0 else []
+    return ShardScan(shard_index=shard.index, row_group_rows=rg_rows, ids=ids, sample=sample, pool=pool_candidates)
+
+
+def _pool_candidates(shard: Shard, ids: pa.Array, texts: pa.Array, reasons: pa.Array, spec: PoolSpec) -> list:
+    from operators.chunk import chunk_text
+    from operators.consistency import doc_hash
+
+    rng = np.random.default_rng([spec.seed, shard.index])
+    doc_priority = rng.random(len(ids))  # (rows,)
+    usable = pc.is_null(reasons).to_numpy(zero_copy_only=False)
+    rows = np.flatnonzero(usable & (doc_priority < spec.doc_cut))
+    cap = spec.size if spec.known_rows <= 0 else int(np.ceil(2 * spec.size * len(ids) / spec.known_rows)) + 64
+    candidates = []
+    for row, text, doc_id in zip(rows.tolist(), texts.take(pa.array(rows, pa.int64())).to_pylist(),
+                                 ids.take(pa.array(rows, pa.int64())).to_pylist()):
+        passages = chunk_text(text, spec.max_words, spec.min_words, spec.max_passages).passages
+        for p, priority in zip(passages, rng.random(len(passages)).tolist()):
+            candidates.append((priority, doc_hash(doc_id), p))
+    candidates.sort(key=lambda c: c[0])
+    return candidates[:cap]
+
+
+def pool_sample(scans: list[ShardScan], size: int) -> tuple[list[str], np.ndarray]:
+    """The consistency pool: the ``size`` passage candidates with the lowest priorities across all shards (fewer
+    when the input offers fewer). Returns (passages, doc hashes (n,) int64)."""
+    merged = sorted((p, s.shard_index, h, t) for s in scans for p, h, t in s.pool)[:size]
+    return [t for _, _, _, t in merged], np.array([h for _, _, h, _ in merged], dtype=np.int64)
 
 
 def duplicate_rows(scans: list[ShardScan]) -> dict[int, list[int]]:

@@ -1,7 +1,9 @@
 """The main job: mine training groups from documents (SPEC "Shape").
 
     scan (first pass)  ids, row groups, seeded text sample -> duplicate rows, work units, TF-IDF (IDF) fit
-    read -> chunk -> embed (actor pool) -> centrality -> related -> write (staging)    one row per document
+    pool               P random passages (seeded, from the first pass) embedded once, put in Ray's object store
+    read -> chunk -> embed (actors) -> centrality -> related -> consistency (actors) -> write (staging)
+                                                                                       one row per document
     compact            one deterministic part per input shard
     commit             stats.json, manifest.json, then the _SUCCESS marker
 
@@ -23,10 +25,14 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
+import pyarrow as pa
+
 from pipeline import __version__
 from pipeline.config import ConfigError, MineConfig
 from pipeline.inputs import (
-    check_parquet_shards, discover_shards, duplicate_rows, sample_cut, scan_shard, tfidf_sample, work_units,
+    PoolSpec, check_parquet_shards, discover_shards, duplicate_rows, pool_sample, sample_cut, scan_shard, tfidf_sample,
+    work_units,
 )
 from pipeline.ray_adapter import Stage, apply_stage, cluster_cpus_per_node, cluster_gpus, init_ray, run_remote
 
@@ -136,14 +142,51 @@ def _make_related(cfg: MineConfig, vectorizer):
     return RelatedMiner(vectorizer, cfg.resolved_threshold(), r.n_related, r.rrf_k, r.w_dense, r.w_lexical)
 
 
-def _make_write(staging: str, run_id: str, model: str, threshold: float):
+def _make_write(staging: str, run_id: str, model: str, threshold: float, pool_size, k, side_output: bool):
     from operators.write import GroupWriter
 
-    return GroupWriter(staging, run_id, model, threshold)
+    return GroupWriter(staging, run_id, model, threshold, pool_size, k, side_output)
 
 
-def _scan(shard, cfg: MineConfig, cut: float):
-    return scan_shard(shard, cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs, cfg.tfidf.seed, cut)
+def _load_pool(pool_ref):
+    import ray
+
+    return ray.get(pool_ref)  # zero-copy from the node's object store
+
+
+def _make_filter(pool_ref, k: int, device: str, chunk_mb: float):
+    from operators.consistency import ConsistencyFilter
+
+    return ConsistencyFilter(partial(_load_pool, pool_ref), k, device, chunk_mb)
+
+
+def _scan(shard, cfg: MineConfig, cut: float, pool: PoolSpec | None):
+    return scan_shard(shard, cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs, cfg.tfidf.seed, cut, pool)
+
+
+def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage) -> tuple[np.ndarray, np.ndarray]:
+    """Embed the pool passages with the run's embed stage (same model, prefix, dtype) on Ray.
+
+    Returns:
+        (vectors (P, dim) float32, doc hashes (P,) int64), rows aligned (Ray may return blocks in any order, so the
+        hashes travel with their passages).
+    """
+    import ray
+
+    from operators.embed import vector_matrix
+
+    per_row = 256
+    rows = [{"passages": passages[i : i + per_row], "hashes": doc_hashes[i : i + per_row].tolist()}
+            for i in range(0, len(passages), per_row)]
+    if not rows:
+        return np.zeros((0, 1), np.float32), np.zeros(0, np.int64)
+    ds = apply_stage(ray.data.from_items(rows, override_num_blocks=len(rows)), embed_stage)
+    mats, hashes = [], []
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        matrix, _ = vector_matrix(batch.column("vectors"))
+        mats.append(matrix.copy())
+        hashes.append(batch.column("hashes").combine_chunks().flatten().to_numpy(zero_copy_only=False))
+    return np.concatenate(mats), np.concatenate(hashes).astype(np.int64)
 
 
 def _compact(staging: str, groups_dir: str, shard_index: int):
@@ -179,10 +222,12 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
     """
     from operators.read import SKIP_REASONS
     from operators.related import NO_ANCHOR, NO_PASSAGES, TOO_FEW_PASSAGES
+    from operators.write import N_ABOVE_BINS
     from operators.write import CENTRALITY_BINS
 
     skipped = {r: int(total.get(f"docs_skipped.{r}", 0)) for r in SKIP_REASONS}
-    without = {r: int(total.get(f"docs_without_groups_by_reason.{r}", 0)) for r in (NO_PASSAGES, TOO_FEW_PASSAGES, NO_ANCHOR)}
+    reasons = (NO_PASSAGES, TOO_FEW_PASSAGES, NO_ANCHOR, "consistency_filter")
+    without = {r: int(total.get(f"docs_without_groups_by_reason.{r}", 0)) for r in reasons}
     docs_in = int(total["docs_in"])
     with_g, without_g = int(total["docs_with_groups"]), int(total["docs_without_groups"])
     processed = with_g + without_g
@@ -213,6 +258,15 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
         "centrality_histogram": {
             "bin_edges": [round(float(x), 4) for x in CENTRALITY_BINS],
             "counts": hists.get("centrality_histogram", [0] * (len(CENTRALITY_BINS) - 1)),
+        },
+        "groups_mined": int(total["groups_mined"]),
+        "groups_dropped_consistency": int(total["groups_dropped_consistency"]),
+        "consistency_keep_rate_pct": (
+            round(100.0 * groups / total["groups_mined"], 3) if total["groups_mined"] else 0.0
+        ),
+        "n_above_histogram": {
+            "bin_edges": [int(x) for x in N_ABOVE_BINS[:-1]] + ["inf"],
+            "counts": hists.get("n_above_histogram", [0] * (len(N_ABOVE_BINS) - 1)),
         },
         "groups_per_doc_histogram": {
             "note": "index i = processed documents with i groups; the last entry counts 32 or more",
@@ -273,7 +327,7 @@ def mine(cfg: MineConfig) -> MineResult:
             f"run {run_id} in {cfg.output.path} is already committed ({run_dir}/{SUCCESS_MARKER}); "
             "choose another --run-id, or leave it out for a new one"
         )
-    staging, groups_dir = f"{run_dir}/_staging", f"{run_dir}/groups"
+    staging = f"{run_dir}/_staging"
     url = (lambda p: fs.unstrip_protocol(p)) if "://" in cfg.output.path else (lambda p: p)
     # Everything that can be checked cheaply is checked before Ray starts and before the run folder exists.
     shards = discover_shards(cfg.input.path, cfg.input.format)
@@ -285,7 +339,10 @@ def mine(cfg: MineConfig) -> MineResult:
 
     # ---- first pass: ids (duplicates), layout (work units), seeded text sample (IDF) -----------------------------
     cut = sample_cut(cfg.tfidf.sample_docs, known_rows)
-    scans = run_remote(_scan, [(s, cfg, cut) for s in shards])
+    c = cfg.consistency
+    pool_spec = PoolSpec(c.pool_size, c.seed, sample_cut(c.pool_size, known_rows), known_rows, cfg.chunk.max_words,
+                         cfg.chunk.min_words, cfg.chunk.max_passages) if c.enabled else None
+    scans = run_remote(_scan, [(s, cfg, cut, pool_spec) for s in shards])
     docs_expected = sum(s.num_rows for s in scans)
     dups = duplicate_rows(scans)
     units = work_units(shards, scans, dups)
@@ -309,6 +366,7 @@ def mine(cfg: MineConfig) -> MineResult:
     fs.makedirs(run_dir, exist_ok=True)
     with fs.open(f"{run_dir}/tfidf.joblib", "wb") as f:
         joblib.dump(vectorizer, f)
+    pool_passages, pool_hashes = pool_sample(scans, c.pool_size) if c.enabled else ([], None)
     del scans
     log.info(
         "first pass: %d documents in %d work unit(s), %d duplicate id(s); TF-IDF fitted on %d passages (vocabulary %d)",
@@ -322,15 +380,33 @@ def mine(cfg: MineConfig) -> MineResult:
     device = cfg.embed.device if cfg.embed.device != "auto" else ("cuda" if gpus else "cpu")
     batch = cfg.ray.docs_per_batch
     threshold = cfg.resolved_threshold()
+    # CPU stages are light next to the embedder; half a CPU each keeps a 2-core machine from being filled by the two
+    # actor pools (an actor holding every CPU starves the tasks and the pipeline hangs).
+    light = 0.5
+    embed_stage = Stage("embed", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
+                        num_cpus=1, num_gpus=1 if device == "cuda" else 0)
     stages = [
-        Stage("read", partial(_make_read, cfg), batch_size=1),
-        Stage("chunk", partial(_make_chunk, cfg), batch_size=batch),
-        Stage("embed", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
-              num_cpus=1, num_gpus=1 if device == "cuda" else 0),
-        Stage("centrality", _make_centrality, batch_size=batch),
-        Stage("related", partial(_make_related, cfg, vectorizer), batch_size=batch),
-        Stage("write", partial(_make_write, url(staging), run_id, model_id(cfg), threshold), batch_size=batch),
+        Stage("read", partial(_make_read, cfg), batch_size=1, num_cpus=light),
+        Stage("chunk", partial(_make_chunk, cfg), batch_size=batch, num_cpus=light),
+        embed_stage,
+        Stage("centrality", _make_centrality, batch_size=batch, num_cpus=light),
+        Stage("related", partial(_make_related, cfg, vectorizer), batch_size=batch, num_cpus=light),
     ]
+    pool_size = None
+    if c.enabled:
+        t_pool = time.time()
+        pool_vectors, pool_hashes = embed_pool(pool_passages, pool_hashes, embed_stage)
+        pool_size = len(pool_vectors)
+        pool_ref = ray.put((pool_vectors, pool_hashes))
+        log.info("consistency pool: %d passages embedded in %.1f s (asked for %d; k = %d)",
+                 pool_size, time.time() - t_pool, c.pool_size, c.k)
+        del pool_vectors, pool_passages
+        filter_actors = c.num_actors or (gpus if gpus and device == "cuda" else 1)
+        stages.append(Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb), batch_size=batch,
+                            actors=filter_actors, num_cpus=light, num_gpus=1 if device == "cuda" else 0))
+    stages.append(Stage("write", partial(_make_write, url(staging), run_id, model_id(cfg), threshold, pool_size,
+                                         c.k if c.enabled else None, c.enabled and c.side_output),
+                        batch_size=batch, num_cpus=light))
     log.info(
         "mining with %s (prefix %r, anchor threshold %.3f): %d embed actor(s) on %s, %d thread(s) each",
         model_id(cfg), cfg.resolved_prefix(), threshold, actors, device, threads,
@@ -353,7 +429,9 @@ def mine(cfg: MineConfig) -> MineResult:
     progress.done()
 
     # ---- compact staging files into one part per input shard ---------------------------------------------------
-    parts = run_remote(_compact, [(url(staging), url(groups_dir), s.index) for s in shards])
+    parts = run_remote(_compact, [(url(f"{staging}/groups"), url(f"{run_dir}/groups"), s.index) for s in shards])
+    if c.enabled and c.side_output:
+        run_remote(_compact, [(url(f"{staging}/dropped"), url(f"{run_dir}/dropped"), s.index) for s in shards])
     total, hists = merge_stats(summaries)
     if sum(n for _, n in parts) != total["groups"]:
         raise RuntimeError(f"parts hold {sum(n for _, n in parts)} groups but the write stage counted {total['groups']}")
@@ -374,6 +452,8 @@ def mine(cfg: MineConfig) -> MineResult:
             {"shard_index": s.index, "part": f"groups/{p.rsplit('/', 1)[-1]}", "groups": n, "status": "committed"}
             for s, (p, n) in zip(shards, parts)
         ],
+        "consistency": {"enabled": c.enabled, "pool_size": pool_size, "pool_size_requested": c.pool_size, "k": c.k,
+                        "seed": c.seed, "side_output": "dropped/" if c.enabled and c.side_output else None},
         "tfidf": {"file": "tfidf.joblib", "sample_docs": cfg.tfidf.sample_docs, "sample_passages": len(sample_passages),
                   "vocabulary": len(vectorizer.vocabulary_), "seed": cfg.tfidf.seed, "warning": tfidf_note},
         "versions": _versions(),
@@ -384,10 +464,12 @@ def mine(cfg: MineConfig) -> MineResult:
     _write_json(fs, f"{run_dir}/manifest.json", manifest)
     with fs.open(f"{run_dir}/{SUCCESS_MARKER}", "w") as f:
         f.write(run_id + "\n")
+    kept = (f"; consistency filter kept {stats['consistency_keep_rate_pct']:.1f}% of {stats['groups_mined']} groups "
+            f"(n_above < {c.k} against {pool_size} pool passages)") if c.enabled else ""
     log.info(
         "done in %.1f s: %d groups from %d documents (%.1f%% of processed documents have groups, %.2f groups per "
-        "document with groups, %.1f%% of passages covered); %d skipped -> %s",
+        "document with groups, %.1f%% of passages covered)%s; %d skipped -> %s",
         stats["elapsed_s"], stats["groups"], stats["docs_in"], stats["docs_with_groups_pct"], stats["groups_per_doc"],
-        stats["passage_coverage_pct"], stats["docs_skipped_total"], url(run_dir),
+        stats["passage_coverage_pct"], kept, stats["docs_skipped_total"], url(run_dir),
     )
     return MineResult(run_dir=url(run_dir), stats=stats)

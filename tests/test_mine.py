@@ -57,6 +57,11 @@ def test_stats_reconcile_on_the_sample(default_run):
     assert s["passages"] == 5067 and s["passages_short_dropped"] == 3
     assert s["docs_without_groups_by_reason"]["too_few_passages"] == 573
     assert s["groups"] == groups.num_rows > 0
+    # The consistency filter (on by default): every mined group is kept or dropped, and counted.
+    assert s["groups"] + s["groups_dropped_consistency"] == s["groups_mined"] >= s["groups"]
+    assert sum(s["n_above_histogram"]["counts"]) == s["groups_mined"]
+    assert s["consistency_keep_rate_pct"] == pytest.approx(100 * s["groups"] / s["groups_mined"], abs=1e-2)
+    assert set(s["docs_without_groups_by_reason"]) == {"no_passages", "too_few_passages", "no_anchor", "consistency_filter"}
     assert s["anchor_threshold"] == 0.675
     assert sum(s["centrality_histogram"]["counts"]) == s["passages"]
     assert sum(s["groups_per_doc_histogram"]["counts"]) == s["docs_processed"]
@@ -88,7 +93,10 @@ def test_group_invariants(default_run, sample_dir):
         assert all(-1.0001 <= x <= 1.0001 for x in g["related_dense"] + g["related_tfidf"])
         assert g["group_id"] == group_id(g["doc_id"], g["anchor_index"])
         assert g["run_id"] == "sample" and g["model"] == "sentence-transformers/all-MiniLM-L6-v2"
-        assert g["s"] is None and g["n_above"] is None  # the consistency filter is a later stage
+        # Consistency filter: s = cos(anchor, s1) (the same value as the first related_dense, up to rounding),
+        # kept iff n_above < k, against the pool of every passage of the sample (5067 < the default P).
+        assert g["s"] == pytest.approx(g["related_dense"][0], abs=1e-5)
+        assert 0 <= g["n_above"] < g["consistency_k"] == 2 and g["pool_size"] == 5067
         seen.add(g["group_id"])
     assert len(seen) == len(rows)  # group ids are unique
 
@@ -100,6 +108,7 @@ def test_manifest_and_tfidf(default_run):
     assert all(sh["status"] == "committed" for sh in m["shards"])
     assert sum(sh["groups"] for sh in m["shards"]) == json.loads((run / "stats.json").read_text())["groups"]
     assert m["config"]["chunk"]["max_words"] == 120 and m["resolved"]["passage_prefix"] == ""
+    assert m["consistency"]["enabled"] and m["consistency"]["pool_size"] == 5067 and m["consistency"]["k"] == 2
     assert m["versions"]["ray"] and m["versions"]["transformers"]
     vec = joblib.load(run / "tfidf.joblib")
     assert len(vec.vocabulary_) == m["tfidf"]["vocabulary"] > 1000
@@ -153,7 +162,8 @@ def test_same_input_gives_the_same_parts(tiny_model_dir, sample_dir, tmp_path):
     def run(run_id, batch):
         cfg = load_config(overrides=[f"input.path={sample_dir}/00[01]_*.parquet", f"output.path={tmp_path}",
                                      f"output.run_id={run_id}", f"embed.model={tiny_model_dir}",
-                                     "embed.dtype=float32", "anchors.threshold=0.99", f"ray.docs_per_batch={batch}"])
+                                     "embed.dtype=float32", "anchors.threshold=0.99", f"ray.docs_per_batch={batch}",
+                                     "consistency.enabled=false"])
         mine(cfg)
         return read_groups(tmp_path / run_id).drop_columns(["run_id"])
 
@@ -228,3 +238,19 @@ def test_cli_user_errors_are_one_line(tmp_path, case):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert expected in proc.stderr and "Traceback" not in proc.stderr and "ray::" not in proc.stderr
     assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []  # no half-made run folder
+
+
+def test_consistency_side_output_holds_every_dropped_group(tiny_model_dir, sample_dir, tmp_path):
+    cfg = load_config(overrides=[f"input.path={sample_dir}/000_*.parquet", f"output.path={tmp_path}", "output.run_id=audit",
+                                 f"embed.model={tiny_model_dir}", "anchors.threshold=0.99", "consistency.k=1",
+                                 "consistency.side_output=true", "consistency.pool_size=300"])
+    s = mine(cfg).stats
+    run = tmp_path / "audit"
+    kept = read_groups(run).to_pylist()
+    dropped = pads.dataset(str(run / "dropped"), format="parquet").to_table().to_pylist()
+    assert len(kept) == s["groups"] and len(dropped) == s["groups_dropped_consistency"] > 0
+    assert len(kept) + len(dropped) == s["groups_mined"]
+    assert all(g["n_above"] < 1 for g in kept) and all(g["n_above"] >= 1 for g in dropped)
+    assert all(g["pool_size"] == 300 and g["consistency_k"] == 1 for g in kept + dropped)
+    assert not {g["group_id"] for g in kept} & {g["group_id"] for g in dropped}
+    assert json.loads((run / "manifest.json").read_text())["consistency"]["side_output"] == "dropped/"
