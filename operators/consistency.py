@@ -69,23 +69,36 @@ def consistency_counts(
     anchor_docs = np.asarray(anchor_docs, dtype=np.int64)
     pool_docs = np.asarray(pool_docs, dtype=np.int64)
     chunk = max(256, int(chunk_mb * 1024 * 1024 / 4 / g) - g)
-    s_first = None
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would round the scores to ~1e-3: full fp32 for the comparison
+    try:
+        return _count(a, s1, pool_t, anchor_docs, pool_docs, chunk, n_above)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _count(a, s1, pool_t, anchor_docs, pool_docs, chunk, n_above):
+    import torch
+
+    g, device, s_first = len(a), pool_t.device, None
     with torch.inference_mode():
         for start in range(0, max(len(pool_t), 1), chunk):
             block = pool_t[start : start + chunk].float()  # (C, dim), fp32 for the comparison
             x = torch.cat([s1, block])  # (G + C, dim): s1 rides along with the pool chunk
             scores = a @ x.T  # (G, G + C)
-            s = scores[:, :g].diagonal()  # (G,) cos(a, s1), same product as the pool scores
-            above = scores[:, g:] > s[:, None]  # (G, C)
+            s = scores[:, :g].diagonal().clone()  # (G,) cos(a, s1), same product as the pool scores
+            # In place on the score block (the compare and count cost ~15% of the product instead of ~100%):
+            # x - s > 0 exactly when x > s for finite floats (gradual underflow), so ties at s never count.
+            above = scores[:, g:].sub_(s[:, None]).gt_(0)  # (G, C) 1.0 where the pool passage beats s1
             docs = pool_docs[start : start + chunk]  # (C,)
             shared = np.flatnonzero(np.isin(docs, anchor_docs))  # pool columns from some group's document
             if len(shared):
                 cols = torch.as_tensor(shared, device=device)
                 same = torch.as_tensor(docs[shared][None, :] == anchor_docs[:, None], device=device)  # (G, S)
-                above[:, cols] &= ~same
-            n_above += above.sum(dim=1)
+                above[:, cols] = above[:, cols].masked_fill(same, 0.0)
+            n_above += above.sum(dim=1).to(torch.int64)  # exact: fp32 sums of 0/1 below 2**24
             if s_first is None:
-                s_first = s.clone()
+                s_first = s
     return s_first.float().cpu().numpy(), n_above.cpu().numpy()
 
 

@@ -153,11 +153,11 @@ class Embedder:
         self.dim = int(self._model.config.hidden_size)
         log.info("embedder: %s on %s (%s), dim %d, pid %d", self.model_path, self.device, self.dtype, self.dim, os.getpid())
 
-    def encode(self, passages: list[str]) -> np.ndarray:
+    def encode(self, passages: list[str], prefix: str | None = None) -> np.ndarray:
         """Embed passages.
 
         Args:
-            passages: texts without prefix; the configured prefix is added here.
+            passages: texts without prefix; the configured prefix (or ``prefix``, e.g. "query: ") is added here.
 
         Returns:
             (len(passages), dim) float32 array of L2-normalised mean-pooled vectors, in input order.
@@ -169,13 +169,14 @@ class Embedder:
         out = np.zeros((len(passages), self.dim), dtype=np.float32)
         if not passages:
             return out
+        prefix = self.passage_prefix if prefix is None else prefix
         order = np.argsort([len(p) for p in passages], kind="stable")  # sort by length: less padding per batch
         autocast = self.dtype in ("bfloat16", "float16") and self.device == "cpu"
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             for i in range(0, len(order), self.batch_size):
                 idx = order[i : i + self.batch_size]
                 enc = self._tokenizer(
-                    [self.passage_prefix + passages[j] for j in idx],
+                    [prefix + passages[j] for j in idx],
                     padding=True,
                     truncation=True,
                     max_length=self.max_length,

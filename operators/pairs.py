@@ -1,0 +1,220 @@
+"""Stages of the standalone pair filter (``pairmine filter-pairs``): E5's consistency filter applied to existing
+(query, passage) pairs, the way E5 filtered CCPairs (seed 004 chapter 1).
+
+read pairs -> embed (query with the query prefix, passage with the passage prefix) -> consistency count -> write.
+A pair is kept iff fewer than k pool passages beat its own score s = cos(query, passage); pool passages with the
+pair's own passage text never count (the pair's own passage may be in the pool).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from operators.consistency import consistency_counts, doc_hash
+from operators.embed import Embedder
+from operators.read import INVALID_JSON, MissingColumnError, open_input, read_jsonl_records
+
+NULL_QUERY, EMPTY_QUERY, NULL_PASSAGE, EMPTY_PASSAGE = "null_query", "empty_query", "null_passage", "empty_passage"
+PAIR_SKIP_REASONS = (INVALID_JSON, NULL_QUERY, EMPTY_QUERY, NULL_PASSAGE, EMPTY_PASSAGE)
+
+PAIR_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("pair_id", pa.string()),
+        ("query", pa.string()),
+        ("passage", pa.string()),
+        ("s", pa.float32()),  # cos(query, passage)
+        ("n_above", pa.int64()),  # pool passages (other texts) with cos(query, p) > s
+        ("pool_size", pa.int64()),
+        ("consistency_k", pa.int32()),
+        ("model", pa.string()),
+    ]
+)
+
+
+def read_pair_columns(path: str, fmt: str, row_group: int, query_column: str, passage_column: str,
+                      id_column: str) -> tuple[pa.Array, pa.Array, pa.Array | None, np.ndarray | None]:
+    """(queries, passages, ids or None, invalid-line mask or None) of one work unit, as string arrays.
+
+    Raises:
+        MissingColumnError: the query or passage column is missing (parquet), or no JSONL record has it.
+    """
+    if fmt == "jsonl":
+        records, _ = read_jsonl_records(path)
+        valid = [r for r in records if r is not None]
+        for col in (query_column, passage_column):
+            if valid and not any(col in r for r in valid):
+                raise MissingColumnError(f"input {path} has no column {col!r} (no record has that key)")
+
+        def col(key):
+            return pa.array([None if r is None or r.get(key) is None else str(r.get(key)) for r in records], pa.string())
+
+        ids = col(id_column) if any(id_column in r for r in valid) else None
+        return col(query_column), col(passage_column), ids, np.array([r is None for r in records], dtype=bool)
+    with open_input(path) as f:
+        pf = pq.ParquetFile(f)
+        names = pf.schema_arrow.names
+        for c in (query_column, passage_column):
+            if c not in names:
+                raise MissingColumnError(f"input {path} has no column {c!r} (columns: {names})")
+        cols = [query_column, passage_column] + ([id_column] if id_column in names else [])
+        table = pf.read_row_group(row_group, columns=cols) if row_group >= 0 else pf.read(columns=cols)
+    as_str = lambda a: pc.cast(a.combine_chunks(), pa.string())  # noqa: E731
+    ids = as_str(table.column(id_column)) if id_column in table.column_names else None
+    return as_str(table.column(query_column)), as_str(table.column(passage_column)), ids, None
+
+
+def pair_skip_reasons(queries: pa.Array, passages: pa.Array, invalid: np.ndarray | None) -> pa.Array:
+    """Skip reason per pair (null = usable): invalid_json, null/empty (or whitespace-only) query or passage."""
+    n = len(queries)
+    reasons = np.full(n, None, dtype=object)
+    for arr, null_reason, empty_reason in ((passages, NULL_PASSAGE, EMPTY_PASSAGE), (queries, NULL_QUERY, EMPTY_QUERY)):
+        empty = pc.fill_null(pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(arr)), 0), False).to_numpy(zero_copy_only=False)
+        reasons[empty] = empty_reason
+        reasons[pc.is_null(arr).to_numpy(zero_copy_only=False)] = null_reason
+    if invalid is not None:
+        reasons[invalid] = INVALID_JSON
+    return pa.array(reasons, pa.string())
+
+
+class ReadPairs:
+    """Read operator of filter-pairs: work units (``operators.read.UNIT_SCHEMA``) -> one row per pair with
+    ``shard_index, row_index, pair_id`` (the id column, else "shard:row"), ``query, passage, skip_reason``."""
+
+    def __init__(self, query_column: str = "query", passage_column: str = "passage", id_column: str = "id"):
+        self.query_column, self.passage_column, self.id_column = query_column, passage_column, id_column
+
+    def __call__(self, units: pa.Table) -> pa.Table:
+        tables = []
+        for u in units.to_pylist():
+            q, p, ids, invalid = read_pair_columns(u["path"], u["format"], u["row_group"], self.query_column,
+                                                   self.passage_column, self.id_column)
+            rows = np.arange(u["row_offset"], u["row_offset"] + len(q), dtype=np.int64)
+            fallback = pa.array([f"{u['shard_index']}:{r}" for r in rows.tolist()], pa.string())
+            pair_ids = fallback if ids is None else pc.coalesce(ids, fallback)
+            tables.append(pa.table({
+                "shard_index": pa.array(np.full(len(q), u["shard_index"], np.int32)), "row_index": rows,
+                "pair_id": pair_ids, "query": q, "passage": p, "skip_reason": pair_skip_reasons(q, p, invalid),
+            }))
+        return pa.concat_tables(tables)
+
+
+class EmbedPairs:
+    """Embed operator of filter-pairs: adds ``query_vector`` and ``passage_vector`` (fixed_size_list<float32>) with
+    one model: the query with ``query_prefix``, the passage with the passage prefix (E5: "query: " / "passage: ").
+    Skipped rows get zero vectors. Args as :class:`operators.embed.Embedder`, plus ``query_prefix``."""
+
+    def __init__(self, query_prefix: str = "", **embedder_kwargs):
+        self.embedder = Embedder(**embedder_kwargs)
+        self.query_prefix = query_prefix
+
+    def setup(self) -> None:
+        self.embedder.setup()
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.embedder._model is None:
+            self.setup()
+        ok = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
+        rows = np.flatnonzero(ok)
+        dim = self.embedder.dim
+        out = batch
+        for name, column, prefix in (("query_vector", "query", self.query_prefix), ("passage_vector", "passage", None)):
+            texts = batch.column(column).take(pa.array(rows, pa.int64())).to_pylist()
+            vecs = np.zeros((batch.num_rows, dim), np.float32)
+            vecs[rows] = self.embedder.encode(texts, prefix=prefix)
+            out = out.append_column(name, pa.FixedSizeListArray.from_arrays(pa.array(vecs.ravel()), dim))
+        return out
+
+
+class PairFilter:
+    """Consistency operator of filter-pairs: adds ``s``, ``n_above`` and ``kept`` (n_above < k) to every usable pair.
+
+    Args:
+        load_pool: callable -> (pool vectors (P, dim), pool hashes (P,) int64), hashes as :func:`doc_hash` of the
+            pool passage text (or of its document id when the pool comes from documents).
+        k, device, chunk_mb: as :class:`operators.consistency.ConsistencyFilter`.
+    """
+
+    def __init__(self, load_pool, k: int = 2, device: str = "cpu", chunk_mb: float = 64.0):
+        from operators.consistency import ConsistencyFilter
+
+        self._inner = ConsistencyFilter(load_pool, k, device, chunk_mb)
+        self.k = k
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if self._inner._pool is None:
+            self._inner.setup()
+        ok = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
+        rows = np.flatnonzero(ok)
+        s = np.full(batch.num_rows, np.nan, np.float32)
+        n = np.full(batch.num_rows, -1, np.int64)
+        if len(rows):
+            q = _matrix(batch.column("query_vector"))[rows]  # (usable, dim)
+            p = _matrix(batch.column("passage_vector"))[rows]  # (usable, dim)
+            own = np.array([doc_hash(t) for t in batch.column("passage").take(pa.array(rows, pa.int64())).to_pylist()])
+            s[rows], n[rows] = consistency_counts(q, p, self._inner._pool, own, self._inner._pool_docs, self._inner.chunk_mb)
+        out = batch.drop_columns(["query_vector", "passage_vector"])
+        out = out.append_column("s", pa.array(s, mask=~ok))
+        out = out.append_column("n_above", pa.array(n, mask=~ok))
+        return out.append_column("kept", pa.array(ok & (n < self.k) & (n >= 0)))
+
+
+def _matrix(column) -> np.ndarray:
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    return arr.flatten().to_numpy(zero_copy_only=False).reshape(len(arr), arr.type.list_size)
+
+
+class PairWriter:
+    """Write operator of filter-pairs: stages kept pairs (and dropped ones with ``side_output``) per input shard and
+    returns one row per batch with the batch's counts as JSON (``stats``)."""
+
+    def __init__(self, staging_dir: str, run_id: str, model: str, pool_size: int, k: int, side_output: bool = False):
+        self.staging_dir, self.run_id, self.model = staging_dir.rstrip("/"), run_id, model
+        self.pool_size, self.k, self.side_output = pool_size, k, side_output
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        import fsspec
+
+        from operators.write import N_ABOVE_BINS, STAGING_SORT_COLUMN, staging_name, write_table_atomic
+
+        stats = Counter()
+        reasons = batch.column("skip_reason").to_pylist()
+        stats["pairs_in"] = batch.num_rows
+        for r in reasons:
+            if r is not None:
+                stats[f"pairs_skipped.{r}"] += 1
+        kept = batch.column("kept").to_numpy(zero_copy_only=False)
+        usable = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
+        stats["pairs_kept"] = int(kept.sum())
+        stats["pairs_dropped_consistency"] = int((usable & ~kept).sum())
+        n = batch.column("n_above").to_numpy(zero_copy_only=False)
+        hist = np.histogram(n[usable], bins=N_ABOVE_BINS)[0]
+        fs, root = fsspec.core.url_to_fs(self.staging_dir)
+        staged = []
+        for kind, mask in (("pairs", kept), ("dropped", usable & ~kept if self.side_output else np.zeros_like(kept))):
+            part = batch.filter(pa.array(mask))
+            if part.num_rows == 0:
+                continue
+            table = pa.table({
+                "run_id": pa.array([self.run_id] * part.num_rows, pa.string()), "pair_id": part.column("pair_id"),
+                "query": part.column("query"), "passage": part.column("passage"), "s": part.column("s"),
+                "n_above": part.column("n_above"), "pool_size": pa.array([self.pool_size] * part.num_rows, pa.int64()),
+                "consistency_k": pa.array([self.k] * part.num_rows, pa.int32()),
+                "model": pa.array([self.model] * part.num_rows, pa.string()),
+                STAGING_SORT_COLUMN: part.column("row_index"),
+            })
+            shards = part.column("shard_index").to_numpy()
+            for shard in np.unique(shards):
+                piece = table.filter(pa.array(shards == shard))
+                name = staging_name(int(shard), piece.column(STAGING_SORT_COLUMN).to_numpy())
+                write_table_atomic(fs, piece, f"{root}/{kind}/{name}")
+                staged.append(f"{kind}/{name}")
+        stats["n_above_histogram"] = hist.tolist()
+        return pa.table({"staged": pa.array([staged], pa.list_(pa.string())), "stats": [json.dumps(dict(stats))]})
+
