@@ -144,7 +144,8 @@ def cmd_mine(args) -> int:
     print(textwrap.dedent(f"""\
         run folder: {result.run_dir}
         documents: {s['docs_in']} in, {s['docs_with_groups']} with groups, {s['docs_without_groups']} without, {s['docs_skipped_total']} skipped
-        groups: {s['groups']} ({s['groups_per_doc']} per document with groups); passages covered: {s['passage_coverage_pct']}%"""))
+        groups: {s['groups']} ({s['groups_per_doc']} per document with groups); passages covered: {s['passage_coverage_pct']}%
+        consistency filter: kept {s['groups']} of {s['groups_mined']} mined groups ({s['consistency_keep_rate_pct']}%)"""))
     return 0
 
 

@@ -18,7 +18,6 @@ import datetime as _dt
 import json
 import logging
 import platform
-import sys
 import time
 from functools import partial
 
@@ -29,10 +28,12 @@ import pyarrow.compute as pc
 from pipeline.config import ConfigError, MineConfig
 from pipeline.inputs import PoolSpec, discover_shards, pool_sample, scan_shard
 from pipeline.mine import (
-    SUCCESS_MARKER, MineResult, Progress, RunExistsError, _load_pool, _versions, _write_json, check_model, embed_pool,
+    GPU_SHARE_EMBED, SUCCESS_MARKER, MineResult, Progress, RunExistsError, _load_pool, _versions, _write_json, check_model, embed_pool,
     merge_stats, model_id, new_run_id,
 )
-from pipeline.ray_adapter import Stage, apply_stage, cluster_cpus_per_node, cluster_gpus, init_ray, run_remote
+from pipeline.ray_adapter import (
+    Stage, apply_stage, cluster_cpus_per_node, cluster_gpus, configure_data, init_ray, run_remote,
+)
 
 log = logging.getLogger("pairmine")
 
@@ -157,6 +158,7 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     pool_shards = discover_shards(c.pool_path, cfg.input.format) if c.pool_path else None
     check_model(cfg)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    configure_data(cfg.ray.target_block_mb)
     log.info("filter-pairs run %s -> %s: %d input shard(s); Ray %s", run_id, url(run_dir), len(shards), where)
 
     # ---- plan and pool --------------------------------------------------------------------------------------------
@@ -186,11 +188,12 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     threads = cfg.embed.threads or max(1, cluster_cpus_per_node() // actors)
     device = cfg.embed.device if cfg.embed.device != "auto" else ("cuda" if gpus else "cpu")
     batch, light = cfg.ray.docs_per_batch, 0.5
-    gpu = 1 if device == "cuda" else 0
+    gpu_embed, gpu_filter = (GPU_SHARE_EMBED, 1.0 - GPU_SHARE_EMBED) if device == "cuda" else (0, 0)
     t_pool = time.time()
     pool_vectors, pool_hashes = embed_pool(
         pool_passages, pool_hashes,
-        Stage("embed", partial(_make_pool_embed, cfg, threads, device), batch_size=batch, actors=actors, num_gpus=gpu),
+        Stage("embed", partial(_make_pool_embed, cfg, threads, device), batch_size=batch, actors=actors,
+              num_gpus=gpu_embed),
     )
     pool_size = len(pool_vectors)
     pool_ref = ray.put((pool_vectors, pool_hashes))
@@ -204,15 +207,12 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     if fs.exists(staging):
         fs.rm(staging, recursive=True)
     fs.makedirs(run_dir, exist_ok=True)
-    data_ctx = ray.data.DataContext.get_current()
-    data_ctx.target_max_block_size = int(cfg.ray.target_block_mb * 1024 * 1024)
-    if not sys.stderr.isatty():
-        data_ctx.enable_progress_bars = False
     stages = [
         Stage("read_pairs", partial(_make_read, cfg), batch_size=1, num_cpus=light),
-        Stage("embed_pairs", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors, num_gpus=gpu),
+        Stage("embed_pairs", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
+              num_gpus=gpu_embed),
         Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb), batch_size=batch,
-              actors=c.num_actors or (gpus if gpu else 1), num_cpus=light, num_gpus=gpu),
+              actors=c.num_actors or (gpus if gpu_filter else 1), num_cpus=light, num_gpus=gpu_filter),
         Stage("write_pairs", partial(_make_write, url(staging), run_id, model_id(cfg), pool_size, c.k, c.side_output),
               batch_size=batch, num_cpus=light),
     ]

@@ -19,7 +19,6 @@ import logging
 import os
 import platform
 import secrets
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -34,11 +33,14 @@ from pipeline.inputs import (
     PoolSpec, check_parquet_shards, discover_shards, duplicate_rows, pool_sample, sample_cut, scan_shard, tfidf_sample,
     work_units,
 )
-from pipeline.ray_adapter import Stage, apply_stage, cluster_cpus_per_node, cluster_gpus, init_ray, run_remote
+from pipeline.ray_adapter import (
+    Stage, apply_stage, cluster_cpus_per_node, cluster_gpus, configure_data, init_ray, run_remote,
+)
 
 log = logging.getLogger("pairmine")
 
 SUCCESS_MARKER = "_SUCCESS"
+GPU_SHARE_EMBED = 0.75  # of each GPU for the embed actor; the consistency filter actor gets the rest
 
 
 class RunExistsError(RuntimeError):
@@ -309,7 +311,8 @@ def mine(cfg: MineConfig) -> MineResult:
     """Run the main job with a validated config. Returns the run folder and its stats.
 
     Raises:
-        FileNotFoundError: no input. MissingColumnError: a shard lacks the text or id column.
+        FileNotFoundError: no input. InputError: an input file is unusable. MissingColumnError: a shard lacks the
+        text or id column. ConfigError: the model cannot be loaded, the output path is a file.
         RunExistsError: the run id names a run that is already committed.
     """
     import fsspec
@@ -334,6 +337,7 @@ def mine(cfg: MineConfig) -> MineResult:
     known_rows = check_parquet_shards(shards, (cfg.input.text_column, cfg.input.id_column))
     check_model(cfg)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    configure_data(cfg.ray.target_block_mb)
     log.info("run %s -> %s: %d input shard(s) from %s; Ray %s", run_id, url(run_dir), len(shards),
              cfg.input.path or "the shipped sample", where)
 
@@ -383,8 +387,11 @@ def mine(cfg: MineConfig) -> MineResult:
     # CPU stages are light next to the embedder; half a CPU each keeps a 2-core machine from being filled by the two
     # actor pools (an actor holding every CPU starves the tasks and the pipeline hangs).
     light = 0.5
+    # On a GPU the embedder and the consistency filter share each GPU (3/4 + 1/4): two whole-GPU actor pools would
+    # wait on each other forever on a one-GPU node.
+    gpu_embed, gpu_filter = (GPU_SHARE_EMBED, 1.0 - GPU_SHARE_EMBED) if device == "cuda" else (0, 0)
     embed_stage = Stage("embed", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
-                        num_cpus=1, num_gpus=1 if device == "cuda" else 0)
+                        num_cpus=1, num_gpus=gpu_embed)
     stages = [
         Stage("read", partial(_make_read, cfg), batch_size=1, num_cpus=light),
         Stage("chunk", partial(_make_chunk, cfg), batch_size=batch, num_cpus=light),
@@ -403,7 +410,7 @@ def mine(cfg: MineConfig) -> MineResult:
         del pool_vectors, pool_passages
         filter_actors = c.num_actors or (gpus if gpus and device == "cuda" else 1)
         stages.append(Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb), batch_size=batch,
-                            actors=filter_actors, num_cpus=light, num_gpus=1 if device == "cuda" else 0))
+                            actors=filter_actors, num_cpus=light, num_gpus=gpu_filter))
     stages.append(Stage("write", partial(_make_write, url(staging), run_id, model_id(cfg), threshold, pool_size,
                                          c.k if c.enabled else None, c.enabled and c.side_output),
                         batch_size=batch, num_cpus=light))
@@ -411,13 +418,6 @@ def mine(cfg: MineConfig) -> MineResult:
         "mining with %s (prefix %r, anchor threshold %.3f): %d embed actor(s) on %s, %d thread(s) each",
         model_id(cfg), cfg.resolved_prefix(), threshold, actors, device, threads,
     )
-    data_ctx = ray.data.DataContext.get_current()
-    # Measured on the sample: with Ray's default 128 MB target, a whole row group leaves the embed actor as one
-    # block at the end of its task and the later stages wait; 1 MB blocks stream batch by batch.
-    data_ctx.target_max_block_size = int(cfg.ray.target_block_mb * 1024 * 1024)
-    if not sys.stderr.isatty():
-        # Ray's bars become a multi-line status block every few seconds in a log; our progress lines say it better.
-        data_ctx.enable_progress_bars = False
     ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
     for stage in stages:
         ds = apply_stage(ds, stage)

@@ -89,6 +89,24 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
     return f"local ({int(ray.cluster_resources().get('CPU', 0))} CPUs)"
 
 
+def configure_data(target_block_mb: float) -> None:
+    """Ray Data settings for pairmine's pipelines.
+
+    Measured on the sample: with Ray's default 128 MB block target, a whole row group leaves the embed actor as one
+    block at the end of its task and the later stages wait; ~1 MB blocks stream batch by batch. Off a terminal,
+    Ray's progress bars become a multi-line status block every few seconds; pairmine's own progress lines replace
+    them there.
+    """
+    import sys
+
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.target_max_block_size = int(target_block_mb * 1024 * 1024)
+    if not sys.stderr.isatty():
+        ctx.enable_progress_bars = False
+
+
 def cluster_gpus() -> int:
     """GPUs in the connected Ray cluster (0 on a CPU-only cluster)."""
     import ray
