@@ -79,13 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "s3://. Default: the shipped sample (827 FineWeb-schema documents). Same as input.path")
     m.add_argument("--output", metavar="DIR", help="folder that receives the run folder (default: ./runs). "
                    "Same as output.path")
-    m.add_argument("--config", metavar="FILE", help="TOML file with [section] tables, see the keys below")
-    m.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override one config key, e.g. --set embed.batch_size=64 (repeatable; applied after --config)")
-    m.add_argument("--run-id", metavar="ID", help="run folder name (default: UTC time + random suffix). Same as "
-                   "output.run_id; a committed run id is refused")
-    m.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to use (default: $RAY_ADDRESS, else start a "
-                   "local Ray). Same as ray.address")
+    _common_args(m)
     f = sub.add_parser(
         "filter-pairs",
         help="keep (query, passage) pairs that pass E5's consistency filter",
@@ -102,12 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "input.passage_column")
     f.add_argument("--pool", metavar="PATH", help="documents (parquet/JSONL with text and id) to draw the pool from, "
                    "chunked like pairmine mine's input (default: the pairs' own passages). Same as consistency.pool_path")
-    f.add_argument("--config", metavar="FILE", help="TOML file with [section] tables, see the keys below")
-    f.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override one config key, e.g. --set consistency.k=1 (repeatable)")
-    f.add_argument("--run-id", metavar="ID", help="run folder name (default: UTC time + random suffix)")
-    f.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to use (default: $RAY_ADDRESS, else local)")
+    _common_args(f)
     return parser
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML file with [section] tables, see the keys below")
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override one config key, e.g. --set embed.batch_size=64 (repeatable; applied after --config)")
+    p.add_argument("--run-id", metavar="ID", help="run folder name (default: UTC time + random suffix). Same as "
+                   "output.run_id; a committed run id is refused")
+    p.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to use (default: $RAY_ADDRESS, else start a "
+                   "local Ray). Same as ray.address")
 
 
 def _load(args, flags) -> "object":

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import ConfigError, MineConfig
-from pipeline.inputs import PoolSpec, discover_shards, pool_sample, scan_shard
+from pipeline.inputs import PoolSpec, check_parquet_shards, discover_shards, pool_sample, scan_shard
 from pipeline.mine import (
     GPU_SHARE_EMBED, SUCCESS_MARKER, MineResult, Progress, RunExistsError, _load_pool, _versions, _write_json, check_model, embed_pool,
     merge_stats, model_id, new_run_id,
@@ -110,26 +110,6 @@ def _compact(staging: str, out: str, shard_index: int):
     return compact_shard(staging, out, shard_index, PAIR_SCHEMA, (STAGING_SORT_COLUMN,))
 
 
-def _check_pair_columns(shards, cfg: MineConfig) -> None:
-    import pyarrow.parquet as pq
-
-    from operators.read import MissingColumnError, open_input
-    from pipeline.inputs import InputError
-
-    for shard in shards:
-        if shard.format != "parquet":
-            continue
-        try:
-            with open_input(shard.path) as f:
-                names = pq.ParquetFile(f).schema_arrow.names
-        except (pa.ArrowInvalid, OSError) as e:
-            raise InputError(f"input {shard.path} is not a readable parquet file: {e}") from None
-        for col in (cfg.input.query_column, cfg.input.passage_column):
-            if col not in names:
-                raise MissingColumnError(f"input {shard.path} has no column {col!r} (columns: {names}); "
-                                         "set --query-column / --passage-column")
-
-
 def filter_pairs(cfg: MineConfig) -> MineResult:
     """Run the pair filter with a validated config; returns the run folder and its stats.
 
@@ -154,7 +134,7 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     if not cfg.input.path:
         raise ConfigError("filter-pairs needs --input (a parquet/JSONL file, folder or glob of pairs)")
     shards = discover_shards(cfg.input.path, cfg.input.format)
-    _check_pair_columns(shards, cfg)
+    check_parquet_shards(shards, (cfg.input.query_column, cfg.input.passage_column))
     pool_shards = discover_shards(c.pool_path, cfg.input.format) if c.pool_path else None
     check_model(cfg)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
@@ -177,7 +157,8 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         pool_passages, pool_hashes = [t for *_, t in merged], np.array([h for _, _, h, _ in merged], np.int64)
         pool_source = "the input pairs' passages"
     else:
-        spec = PoolSpec(c.pool_size, c.seed, 1.0, 0, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages)
+        spec = PoolSpec(c.pool_size, c.seed, 1.0, 0, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages,
+                        hash_by="text")
         scans = run_remote(scan_shard, [(s, cfg.input.text_column, cfg.input.id_column, 0, 0, 1.0, spec) for s in pool_shards])
         pool_passages, pool_hashes = pool_sample(scans, c.pool_size)
         pool_source = c.pool_path

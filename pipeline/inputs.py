@@ -48,6 +48,8 @@ class PoolSpec:
         doc_cut: documents whose pool priority is below this are chunked into candidates.
         known_rows: rows of the input known from parquet footers (0: unknown), to size each shard's share.
         max_words, min_words, max_passages: the chunking of the run (pool passages are chunked like all others).
+        hash_by: "doc" (a pool passage is known by its document id: mine excludes the group's own document) or
+            "text" (by its own text: filter-pairs excludes pool passages equal to the pair's passage).
     """
 
     size: int
@@ -57,6 +59,7 @@ class PoolSpec:
     max_words: int = 120
     min_words: int = 5
     max_passages: int = 256
+    hash_by: str = "doc"
 
 
 @dataclass
@@ -226,7 +229,7 @@ def _pool_candidates(shard: Shard, ids: pa.Array, texts: pa.Array, reasons: pa.A
                                  ids.take(pa.array(rows, pa.int64())).to_pylist()):
         passages = chunk_text(text, spec.max_words, spec.min_words, spec.max_passages).passages
         for p, priority in zip(passages, rng.random(len(passages)).tolist()):
-            candidates.append((priority, doc_hash(doc_id), p))
+            candidates.append((priority, doc_hash(p if spec.hash_by == "text" else doc_id), p))
     candidates.sort(key=lambda c: c[0])
     return candidates[:cap]
 
