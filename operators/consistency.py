@@ -58,6 +58,8 @@ def consistency_counts(
     a = torch.as_tensor(np.ascontiguousarray(anchors, dtype=np.float32), device=device)  # (G, dim)
     s1 = torch.as_tensor(np.ascontiguousarray(positives, dtype=np.float32), device=device)  # (G, dim)
     g, dim = a.shape
+    if len(pool_t) == 0:  # an empty pool (an input with no usable passage): nothing can be above s
+        pool_t = torch.zeros((0, dim), dtype=torch.float32, device=device)
     if s1.shape != a.shape or pool_t.shape[-1] != dim or len(anchor_docs) != g or len(pool_docs) != len(pool_t):
         raise ValueError(
             f"shapes disagree: anchors {tuple(a.shape)}, positives {tuple(s1.shape)}, pool {tuple(pool_t.shape)}, "
@@ -83,7 +85,7 @@ def _count(a, s1, pool_t, anchor_docs, pool_docs, chunk, n_above):
     g, device, s_first = len(a), pool_t.device, None
     with torch.inference_mode():
         for start in range(0, max(len(pool_t), 1), chunk):
-            block = pool_t[start : start + chunk].float()  # (C, dim), fp32 for the comparison
+            block = pool_t[start : start + chunk].float().reshape(-1, a.shape[1])  # (C, dim), fp32 for the comparison
             x = torch.cat([s1, block])  # (G + C, dim): s1 rides along with the pool chunk
             scores = a @ x.T  # (G, G + C)
             s = scores[:, :g].diagonal().clone()  # (G,) cos(a, s1), same product as the pool scores
@@ -122,11 +124,21 @@ class ConsistencyFilter:
         self.load_pool, self.k, self.device, self.chunk_mb = load_pool, k, device, chunk_mb
         self._pool = None
 
+    def pool(self):
+        """(pool tensor on the operator's device, pool doc hashes (P,) int64), loaded on first use."""
+        if self._pool is None:
+            self.setup()
+        return self._pool, self._pool_docs
+
     def setup(self) -> None:
         import torch
 
+        import warnings
+
         vectors, docs = self.load_pool()
-        pool = torch.from_numpy(np.ascontiguousarray(vectors))
+        with warnings.catch_warnings():  # the pool comes read-only from Ray's object store; it is never written
+            warnings.simplefilter("ignore", UserWarning)
+            pool = torch.from_numpy(np.ascontiguousarray(vectors))
         if self.device == "cuda":
             pool = pool.to("cuda", dtype=torch.float16)
         else:

@@ -148,8 +148,7 @@ class PairFilter:
         self.k = k
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        if self._inner._pool is None:
-            self._inner.setup()
+        pool, pool_docs = self._inner.pool()
         ok = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
         rows = np.flatnonzero(ok)
         s = np.full(batch.num_rows, np.nan, np.float32)
@@ -158,7 +157,7 @@ class PairFilter:
             q = _matrix(batch.column("query_vector"))[rows]  # (usable, dim)
             p = _matrix(batch.column("passage_vector"))[rows]  # (usable, dim)
             own = np.array([doc_hash(t) for t in batch.column("passage").take(pa.array(rows, pa.int64())).to_pylist()])
-            s[rows], n[rows] = consistency_counts(q, p, self._inner._pool, own, self._inner._pool_docs, self._inner.chunk_mb)
+            s[rows], n[rows] = consistency_counts(q, p, pool, own, pool_docs, self._inner.chunk_mb)
         out = batch.drop_columns(["query_vector", "passage_vector"])
         out = out.append_column("s", pa.array(s, mask=~ok))
         out = out.append_column("n_above", pa.array(n, mask=~ok))

@@ -9,6 +9,8 @@ import os
 import sys
 import textwrap
 
+from pipeline import __version__
+
 
 def _config_reference() -> str:
     from pipeline.config import MineConfig
@@ -25,8 +27,8 @@ def _config_reference() -> str:
 
 MINE_EPILOG = """\
 what it does:
-  read -> chunk -> embed -> centrality + anchors -> related passages (weighted RRF) -> write, on Ray Data, one row
-  per document. Without --input it mines the 827-document sample that ships with pairmine. Without a cluster
+  read -> chunk -> embed -> centrality + anchors -> related passages (weighted RRF) -> consistency filter (E5: keep
+  a group iff fewer than k random pool passages beat cos(anchor, s1)) -> write, on Ray Data, one row per document. Without --input it mines the 827-document sample that ships with pairmine. Without a cluster
   address (ray.address or $RAY_ADDRESS) it starts a local Ray on this machine.
 
 output (<output>/<run_id>/):
@@ -34,6 +36,7 @@ output (<output>/<run_id>/):
   stats.json                  counts, drops by reason, the paper's figures, histograms
   manifest.json               resolved config, model, inputs, per-shard status, software versions
   tfidf.joblib                the TF-IDF vectorizer fitted on a seeded sample of the input
+  dropped/part-NNNNN.parquet  groups the consistency filter dropped (with consistency.side_output=true)
   _SUCCESS                    written last: the run is complete
 
 examples:
@@ -66,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "dense-retriever pretraining (xPRT), on Ray.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"pairmine {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     m = sub.add_parser(
@@ -91,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     f.add_argument("--input", metavar="PAIRS", required=True, help="parquet or JSONL file, folder or glob of pairs")
     f.add_argument("--output", metavar="DIR", help="folder that receives the run folder (default: ./runs)")
+    f.add_argument("--id-column", metavar="ID", help="pair id column or key (default: id; absent: shard:row). Same "
+                   "as input.pair_id_column")
     f.add_argument("--query-column", metavar="Q", help="query column or key (default: query). Same as input.query_column")
     f.add_argument("--passage-column", metavar="P", help="passage column or key (default: passage). Same as "
                    "input.passage_column")
@@ -125,7 +131,8 @@ def cmd_filter_pairs(args) -> int:
 
     cfg = _load(args, ((args.input, "input.path"), (args.output, "output.path"), (args.run_id, "output.run_id"),
                        (args.ray_address, "ray.address"), (args.query_column, "input.query_column"),
-                       (args.passage_column, "input.passage_column"), (args.pool, "consistency.pool_path")))
+                       (args.passage_column, "input.passage_column"), (args.pool, "consistency.pool_path"),
+                       (args.id_column, "input.pair_id_column")))
     result = filter_pairs(cfg)
     s = result.stats
     print(f"run folder: {result.run_dir}\n"
@@ -144,8 +151,10 @@ def cmd_mine(args) -> int:
     print(textwrap.dedent(f"""\
         run folder: {result.run_dir}
         documents: {s['docs_in']} in, {s['docs_with_groups']} with groups, {s['docs_without_groups']} without, {s['docs_skipped_total']} skipped
-        groups: {s['groups']} ({s['groups_per_doc']} per document with groups); passages covered: {s['passage_coverage_pct']}%
-        consistency filter: kept {s['groups']} of {s['groups_mined']} mined groups ({s['consistency_keep_rate_pct']}%)"""))
+        groups: {s['groups']} ({s['groups_per_doc']} per document with groups); passages covered: {s['passage_coverage_pct']}%"""))
+    if s["consistency_enabled"]:
+        print(f"consistency filter: kept {s['groups']} of {s['groups_mined']} mined groups "
+              f"({s['consistency_keep_rate_pct']}%)")
     return 0
 
 

@@ -38,6 +38,7 @@ class InputConfig:
     text_column: str = _f("text", "column (parquet) or key (JSONL) holding the document text; required")
     id_column: str = _f("id", "column or key holding the document id; required, duplicates inside a run are skipped")
     url_column: str = _f("url", "optional column passed through to every group (null when absent)")
+    pair_id_column: str = _f("id", "filter-pairs: column or key holding the pair id (absent: 'shard:row')")
     query_column: str = _f("query", "filter-pairs: column or key holding the query")
     passage_column: str = _f("passage", "filter-pairs: column or key holding the passage")
 
@@ -164,7 +165,8 @@ class MineConfig:
             ("related.rrf_k", self.related.rrf_k >= 0, ">= 0"),
             ("related.w_dense", self.related.w_dense >= 0, ">= 0"),
             ("related.w_lexical", self.related.w_lexical >= 0, ">= 0"),
-            ("consistency.pool_size", self.consistency.pool_size >= 0, ">= 0"),
+            ("consistency.pool_size", self.consistency.pool_size >= 1,
+             ">= 1 (to run without the filter: consistency.enabled=false)"),
             ("consistency.k", self.consistency.k >= 1, ">= 1"),
             ("consistency.chunk_mb", self.consistency.chunk_mb > 0, "> 0"),
             ("consistency.num_actors", self.consistency.num_actors >= 0, ">= 0"),

@@ -56,7 +56,8 @@ def _plan_shard(shard, cfg: MineConfig, pool_size: int, seed: int) -> tuple[list
         layout = None
     if pool_size <= 0 and layout is not None:
         return layout, []
-    q, p, _, invalid = read_pair_columns(shard.path, shard.format, -1, i.query_column, i.passage_column, i.id_column)
+    q, p, _, invalid = read_pair_columns(shard.path, shard.format, -1, i.query_column, i.passage_column,
+                                         i.pair_id_column)
     layout = layout or [len(q)]
     if pool_size <= 0:
         return layout, []
@@ -71,7 +72,7 @@ def _plan_shard(shard, cfg: MineConfig, pool_size: int, seed: int) -> tuple[list
 def _make_read(cfg: MineConfig):
     from operators.pairs import ReadPairs
 
-    return ReadPairs(cfg.input.query_column, cfg.input.passage_column, cfg.input.id_column)
+    return ReadPairs(cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column)
 
 
 def _make_embed(cfg: MineConfig, threads: int, device: str):
@@ -133,9 +134,17 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         raise RunExistsError(f"run {run_id} in {cfg.output.path} is already committed; choose another --run-id")
     if not cfg.input.path:
         raise ConfigError("filter-pairs needs --input (a parquet/JSONL file, folder or glob of pairs)")
+    if not c.enabled:
+        raise ConfigError("consistency.enabled = False: filter-pairs is the consistency filter and cannot run without it")
     shards = discover_shards(cfg.input.path, cfg.input.format)
     check_parquet_shards(shards, (cfg.input.query_column, cfg.input.passage_column))
-    pool_shards = discover_shards(c.pool_path, cfg.input.format) if c.pool_path else None
+    pool_shards = None
+    if c.pool_path:
+        try:
+            pool_shards = discover_shards(c.pool_path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"consistency.pool_path (--pool): {e}") from None
+        check_parquet_shards(pool_shards, (cfg.input.text_column, cfg.input.id_column))
     check_model(cfg)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
@@ -153,7 +162,15 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
                           "row_group": g if shard.format == "parquet" else -1, "row_offset": offset, "duplicate_rows": []})
             offset += rows
     if pool_shards is None:
-        merged = sorted((pr, i, h, t) for i, (_, cands) in enumerate(plans) for pr, h, t in cands)[: c.pool_size]
+        # A passage that appears in several pairs enters the pool once (keyed by its text), so one better passage
+        # is counted once.
+        merged, seen = [], set()
+        for cand in sorted((pr, i, h, t) for i, (_, cands) in enumerate(plans) for pr, h, t in cands):
+            if cand[2] not in seen:
+                seen.add(cand[2])
+                merged.append(cand)
+            if len(merged) == c.pool_size:
+                break
         pool_passages, pool_hashes = [t for *_, t in merged], np.array([h for _, _, h, _ in merged], np.int64)
         pool_source = "the input pairs' passages"
     else:
@@ -179,6 +196,8 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     pool_size = len(pool_vectors)
     pool_ref = ray.put((pool_vectors, pool_hashes))
     del pool_vectors, pool_passages
+    if pool_size == 0:
+        log.warning("the pool is empty (no usable passage in %s): every usable pair will be kept", pool_source)
     log.info("pool: %d passages from %s embedded in %.1f s (asked for %d); keep iff n_above < %d; query prefix %r, "
              "passage prefix %r", pool_size, pool_source, time.time() - t_pool, c.pool_size, c.k,
              cfg.resolved_query_prefix(), cfg.resolved_prefix())

@@ -73,7 +73,7 @@ class Progress:
 
     def __init__(self, total: int, every_s: float = 5.0, unit: str = "documents", counted: str = "groups"):
         self.total, self.every_s, self.unit, self.counted = total, every_s, unit, counted
-        self.docs = self.groups = 0
+        self.docs = self.groups = self.logged = 0
         self.t0 = self.last = time.time()
 
     def update(self, docs: int, groups: int) -> None:
@@ -85,6 +85,7 @@ class Progress:
             self._log(now)
 
     def _log(self, now: float) -> None:
+        self.logged = self.docs
         rate = self.docs / max(now - self.t0, 1e-9)
         eta = (self.total - self.docs) / rate if rate > 0 else float("inf")
         log.info("progress: %d / %d %s (%.1f%%), %d %s, %.1f %s/s, ETA %s",
@@ -92,7 +93,8 @@ class Progress:
                  rate, self.unit, f"{eta:.0f} s" if eta != float("inf") else "?")
 
     def done(self) -> None:
-        self._log(time.time())
+        if self.logged != self.docs or self.docs == 0:
+            self._log(time.time())
 
 
 def check_model(cfg: MineConfig) -> None:
@@ -405,6 +407,8 @@ def mine(cfg: MineConfig) -> MineResult:
         pool_vectors, pool_hashes = embed_pool(pool_passages, pool_hashes, embed_stage)
         pool_size = len(pool_vectors)
         pool_ref = ray.put((pool_vectors, pool_hashes))
+        if pool_size == 0:
+            log.warning("the consistency pool is empty (the input has no usable passage): every group will be kept")
         log.info("consistency pool: %d passages embedded in %.1f s (asked for %d; k = %d)",
                  pool_size, time.time() - t_pool, c.pool_size, c.k)
         del pool_vectors, pool_passages
@@ -441,6 +445,7 @@ def mine(cfg: MineConfig) -> MineResult:
     # ---- commit: stats, manifest, then the success marker -------------------------------------------------------
     stats = build_stats(total, hists, cfg, docs_expected, time.time() - t0)
     stats["run_id"] = run_id
+    stats["consistency_enabled"] = c.enabled
     manifest = {
         "run_id": run_id,
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

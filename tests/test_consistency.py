@@ -101,3 +101,10 @@ def test_pool_is_seeded_and_sized_to_the_input(sample_dir):
     everything = pool(7, 10**6)
     assert len(everything[0]) == 5067  # the sample offers 5067 passages: the pool takes them all
     assert len(set(pool(7, 300)[1].tolist())) > 100  # drawn across many documents
+
+
+def test_pool_size_zero_is_refused_with_a_hint():
+    from pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="consistency.enabled=false"):
+        load_config(overrides=["consistency.pool_size=0"])
