@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
-import pyarrow as pa
 
 from pipeline import __version__
 from pipeline.config import ConfigError, MineConfig

@@ -8,7 +8,7 @@ import pytest
 
 from operators.read import MissingColumnError, ReadDocuments
 from pipeline.inputs import (
-    InputError, check_parquet_shards, discover_shards, duplicate_rows, sample_cut, scan_shard, tfidf_sample, work_units,
+    check_parquet_shards, discover_shards, duplicate_rows, sample_cut, scan_shard, tfidf_sample, work_units,
 )
 
 
