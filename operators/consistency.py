@@ -65,7 +65,6 @@ def consistency_counts(
             f"shapes disagree: anchors {tuple(a.shape)}, positives {tuple(s1.shape)}, pool {tuple(pool_t.shape)}, "
             f"anchor_docs {len(anchor_docs)}, pool_docs {len(pool_docs)}"
         )
-    n_above = torch.zeros(g, dtype=torch.int64, device=device)
     if g == 0:
         return np.zeros(0, np.float32), np.zeros(0, np.int64)
     anchor_docs = np.asarray(anchor_docs, dtype=np.int64)
@@ -74,15 +73,16 @@ def consistency_counts(
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would round the scores to ~1e-3: full fp32 for the comparison
     try:
-        return _count(a, s1, pool_t, anchor_docs, pool_docs, chunk, n_above)
+        return _count(a, s1, pool_t, anchor_docs, pool_docs, chunk)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def _count(a, s1, pool_t, anchor_docs, pool_docs, chunk, n_above):
+def _count(a, s1, pool_t, anchor_docs, pool_docs, chunk):
     import torch
 
     g, device, s_first = len(a), pool_t.device, None
+    n_above = torch.zeros(g, dtype=torch.int64, device=device)
     with torch.inference_mode():
         for start in range(0, max(len(pool_t), 1), chunk):
             block = pool_t[start : start + chunk].float().reshape(-1, a.shape[1])  # (C, dim), fp32 for the comparison
@@ -131,9 +131,9 @@ class ConsistencyFilter:
         return self._pool, self._pool_docs
 
     def setup(self) -> None:
-        import torch
-
         import warnings
+
+        import torch
 
         vectors, docs = self.load_pool()
         with warnings.catch_warnings():  # the pool comes read-only from Ray's object store; it is never written
@@ -149,8 +149,7 @@ class ConsistencyFilter:
         from operators.embed import vector_matrix
         from operators.related import FILTERED_GROUP_TYPE
 
-        if self._pool is None:
-            self.setup()
+        pool, pool_docs = self.pool()
         matrix, offsets = vector_matrix(batch.column("vectors"))
         groups = batch.column("groups").to_pylist()
         ids = batch.column("id").to_pylist()
@@ -162,7 +161,7 @@ class ConsistencyFilter:
                 docs.append(doc_hash(ids[i]))
         if a_rows:
             s, n_above = consistency_counts(
-                matrix[a_rows], matrix[s1_rows], self._pool, np.asarray(docs, np.int64), self._pool_docs, self.chunk_mb
+                matrix[a_rows], matrix[s1_rows], pool, np.asarray(docs, np.int64), pool_docs, self.chunk_mb
             )
         else:
             s, n_above = np.zeros(0, np.float32), np.zeros(0, np.int64)

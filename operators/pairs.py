@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from operators.consistency import consistency_counts, doc_hash
 from operators.embed import Embedder
-from operators.read import INVALID_JSON, MissingColumnError, open_input, read_jsonl_records
+from operators.read import INVALID_JSON, open_input, read_jsonl_records, require_columns, require_keys
 
 NULL_QUERY, EMPTY_QUERY, NULL_PASSAGE, EMPTY_PASSAGE = "null_query", "empty_query", "null_passage", "empty_passage"
 PAIR_SKIP_REASONS = (INVALID_JSON, NULL_QUERY, EMPTY_QUERY, NULL_PASSAGE, EMPTY_PASSAGE)
@@ -47,22 +47,17 @@ def read_pair_columns(path: str, fmt: str, row_group: int, query_column: str, pa
     """
     if fmt == "jsonl":
         records, _ = read_jsonl_records(path)
-        valid = [r for r in records if r is not None]
-        for col in (query_column, passage_column):
-            if valid and not any(col in r for r in valid):
-                raise MissingColumnError(f"input {path} has no column {col!r} (no record has that key)")
+        require_keys(path, records, (query_column, passage_column))
 
         def col(key):
             return pa.array([None if r is None or r.get(key) is None else str(r.get(key)) for r in records], pa.string())
 
-        ids = col(id_column) if any(id_column in r for r in valid) else None
+        ids = col(id_column) if any(r is not None and id_column in r for r in records) else None
         return col(query_column), col(passage_column), ids, np.array([r is None for r in records], dtype=bool)
     with open_input(path) as f:
         pf = pq.ParquetFile(f)
         names = pf.schema_arrow.names
-        for c in (query_column, passage_column):
-            if c not in names:
-                raise MissingColumnError(f"input {path} has no column {c!r} (columns: {names})")
+        require_columns(path, names, (query_column, passage_column))
         cols = [query_column, passage_column] + ([id_column] if id_column in names else [])
         table = pf.read_row_group(row_group, columns=cols) if row_group >= 0 else pf.read(columns=cols)
     as_str = lambda a: pc.cast(a.combine_chunks(), pa.string())  # noqa: E731
@@ -118,17 +113,14 @@ class EmbedPairs:
         self.embedder.setup()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        if self.embedder._model is None:
-            self.setup()
         ok = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
-        rows = np.flatnonzero(ok)
-        dim = self.embedder.dim
+        rows = pa.array(np.flatnonzero(ok), pa.int64())
         out = batch
         for name, column, prefix in (("query_vector", "query", self.query_prefix), ("passage_vector", "passage", None)):
-            texts = batch.column(column).take(pa.array(rows, pa.int64())).to_pylist()
-            vecs = np.zeros((batch.num_rows, dim), np.float32)
-            vecs[rows] = self.embedder.encode(texts, prefix=prefix)
-            out = out.append_column(name, pa.FixedSizeListArray.from_arrays(pa.array(vecs.ravel()), dim))
+            encoded = self.embedder.encode(batch.column(column).take(rows).to_pylist(), prefix=prefix)  # (usable, dim)
+            vecs = np.zeros((batch.num_rows, encoded.shape[1]), np.float32)  # (rows, dim), zeros for skipped rows
+            vecs[ok] = encoded
+            out = out.append_column(name, pa.FixedSizeListArray.from_arrays(pa.array(vecs.ravel()), encoded.shape[1]))
         return out
 
 
@@ -136,8 +128,8 @@ class PairFilter:
     """Consistency operator of filter-pairs: adds ``s``, ``n_above`` and ``kept`` (n_above < k) to every usable pair.
 
     Args:
-        load_pool: callable -> (pool vectors (P, dim), pool hashes (P,) int64), hashes as :func:`doc_hash` of the
-            pool passage text (or of its document id when the pool comes from documents).
+        load_pool: callable -> (pool vectors (P, dim), pool hashes (P,) int64), hashes as :func:`doc_hash` of each
+            pool passage's text (so a pool passage equal to the pair's own passage never counts).
         k, device, chunk_mb: as :class:`operators.consistency.ConsistencyFilter`.
     """
 

@@ -77,6 +77,22 @@ def read_jsonl_records(path: str) -> tuple[list[dict | None], int]:
     return records, sum(r is None for r in records)
 
 
+def require_columns(path: str, names: list[str], columns) -> None:
+    """Raise MissingColumnError naming the first of ``columns`` missing from a parquet file's ``names``."""
+    for col in columns:
+        if col not in names:
+            raise MissingColumnError(f"input {path} has no column {col!r} (columns: {names})")
+
+
+def require_keys(path: str, records: list[dict | None], keys) -> None:
+    """Raise MissingColumnError when no valid JSONL record of ``path`` has one of ``keys`` (a record without a key
+    is a document with that field null; a file where no record has it was read with the wrong column name)."""
+    valid = [r for r in records if r is not None]
+    for key in keys:
+        if valid and not any(key in r for r in valid):
+            raise MissingColumnError(f"input {path} has no column {key!r} (no record has that key)")
+
+
 def _as_string(arr: pa.ChunkedArray | pa.Array, name: str, path: str) -> pa.Array:
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
@@ -130,9 +146,7 @@ class ReadDocuments:
             with open_input(path) as f:
                 pf = pq.ParquetFile(f)
                 names = pf.schema_arrow.names
-                for col in (self.text_column, self.id_column):
-                    if col not in names:
-                        raise MissingColumnError(f"input {path} has no column {col!r} (columns: {names})")
+                require_columns(path, names, (self.text_column, self.id_column))
                 cols = [self.text_column, self.id_column] + ([self.url_column] if self.url_column in names else [])
                 table = pf.read_row_group(unit["row_group"], columns=cols) if unit["row_group"] >= 0 else pf.read(columns=cols)
             invalid = None

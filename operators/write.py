@@ -120,7 +120,7 @@ class GroupWriter:
             stats["passages_short_dropped"] += d["n_short_passages"]
             stats["passages_truncated"] += d["n_truncated_passages"]
             stats["docs_truncated"] += d["n_truncated_passages"] > 0
-            stats["anchors"] += sum(c >= self.threshold for c in cent)
+            stats["anchors"] += int(np.count_nonzero(np.asarray(cent) >= self.threshold))
             if cent:
                 cent_hist += np.histogram(np.clip(cent, -1.0, 1.0), bins=CENTRALITY_BINS)[0]
             stats["groups_mined"] += len(groups)

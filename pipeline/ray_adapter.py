@@ -56,8 +56,7 @@ def apply_stage(ds, stage: Stage):
     if stage.num_gpus:
         common["num_gpus"] = stage.num_gpus
     if stage.actors > 0:
-        # A class per stage with the factory in its closure: named after the stage in Ray's progress, and no
-        # constructor arguments (Ray warns about constructor args kept in the object store for restartable actors).
+        # A class per stage with the factory in its closure, so Ray's logs and progress name the stage.
         make = stage.make
         cls = type(stage.name.title(), (_ActorOperator,), {"__init__": lambda self: _ActorOperator.__init__(self, make)})
         return ds.map_batches(cls, compute=ray.data.ActorPoolStrategy(size=stage.actors), **common)
