@@ -161,24 +161,16 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
             units.append({"shard_index": shard.index, "path": shard.path, "format": shard.format,
                           "row_group": g if shard.format == "parquet" else -1, "row_offset": offset, "duplicate_rows": []})
             offset += rows
+    # Pool passages are keyed by their text in filter-pairs: a passage that appears several times (in several pairs
+    # or documents) enters the pool once, and the pair's own passage never counts against it.
     if pool_shards is None:
-        # A passage that appears in several pairs enters the pool once (keyed by its text), so one better passage
-        # is counted once.
-        merged, seen = [], set()
-        for cand in sorted((pr, i, h, t) for i, (_, cands) in enumerate(plans) for pr, h, t in cands):
-            if cand[2] not in seen:
-                seen.add(cand[2])
-                merged.append(cand)
-            if len(merged) == c.pool_size:
-                break
-        pool_passages, pool_hashes = [t for *_, t in merged], np.array([h for _, _, h, _ in merged], np.int64)
-        pool_source = "the input pairs' passages"
+        candidates, pool_source = [cands for _, cands in plans], "the input pairs' passages"
     else:
         spec = PoolSpec(c.pool_size, c.seed, 1.0, 0, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages,
                         hash_by="text")
         scans = run_remote(scan_shard, [(s, cfg.input.text_column, cfg.input.id_column, 0, 0, 1.0, spec) for s in pool_shards])
-        pool_passages, pool_hashes = pool_sample(scans, c.pool_size)
-        pool_source = c.pool_path
+        candidates, pool_source = [s.pool for s in scans], c.pool_path
+    pool_passages, pool_hashes = pool_sample(candidates, c.pool_size, unique=True)
     del plans
 
     gpus = cluster_gpus() if cfg.embed.device != "cpu" else 0

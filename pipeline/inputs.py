@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from operators.read import MissingColumnError, open_input, read_jsonl_records
+from operators.read import open_input, read_jsonl_records, require_columns, require_keys
 
 SAMPLE_DIR = Path(__file__).parent / "sample" / "web-docs"
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -146,9 +146,7 @@ def check_parquet_shards(shards: list[Shard], required: tuple[str, ...]) -> int:
                 names, rows = pf.schema_arrow.names, pf.metadata.num_rows
         except (pa.ArrowInvalid, OSError) as e:
             raise InputError(f"input {shard.path} is not a readable parquet file: {e}") from None
-        for col in required:
-            if col not in names:
-                raise MissingColumnError(f"input {shard.path} has no column {col!r} (columns: {names})")
+        require_columns(shard.path, names, required)
         total += rows
     return total
 
@@ -185,9 +183,7 @@ def scan_shard(
         with open_input(shard.path) as f:
             pf = pq.ParquetFile(f)
             names = pf.schema_arrow.names
-            for col in (text_column, id_column):
-                if col not in names:
-                    raise MissingColumnError(f"input {shard.path} has no column {col!r} (columns: {names})")
+            require_columns(shard.path, names, (text_column, id_column))
             rg_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
             table = pf.read(columns=[id_column, text_column])
         ids = table.column(id_column).combine_chunks()
@@ -197,10 +193,7 @@ def scan_shard(
         invalid = None
     else:
         records, _ = read_jsonl_records(shard.path)
-        valid = [r for r in records if r is not None]
-        for col in (text_column, id_column):
-            if valid and not any(col in r for r in valid):
-                raise MissingColumnError(f"input {shard.path} has no column {col!r} (no record has that key)")
+        require_keys(shard.path, records, (text_column, id_column))
         rg_rows = [len(records)]
         ids = pa.array([None if r is None or r.get(id_column) is None else str(r.get(id_column)) for r in records], pa.string())
         texts = pa.array([None if r is None or not isinstance(r.get(text_column), str) else r[text_column] for r in records], pa.string())
@@ -234,11 +227,30 @@ def _pool_candidates(shard: Shard, ids: pa.Array, texts: pa.Array, reasons: pa.A
     return candidates[:cap]
 
 
-def pool_sample(scans: list[ShardScan], size: int) -> tuple[list[str], np.ndarray]:
+def pool_sample(candidates: list[list[tuple[float, int, str]]], size: int, unique: bool = False
+                ) -> tuple[list[str], np.ndarray]:
     """The consistency pool: the ``size`` passage candidates with the lowest priorities across all shards (fewer
-    when the input offers fewer). Returns (passages, doc hashes (n,) int64)."""
-    merged = sorted((p, s.shard_index, h, t) for s in scans for p, h, t in s.pool)[:size]
-    return [t for _, _, _, t in merged], np.array([h for _, _, h, _ in merged], dtype=np.int64)
+    when the input offers fewer).
+
+    Args:
+        candidates: per shard, in shard order, (priority, hash, passage) tuples (``ShardScan.pool``).
+        size: P.
+        unique: keep one passage per hash (when hashes are of the passage text, a passage that appears several
+            times enters the pool once, so one better passage is counted once).
+
+    Returns:
+        (passages, hashes (n,) int64).
+    """
+    merged, seen = [], set()
+    for _, _, h, t in sorted((p, i, h, t) for i, shard in enumerate(candidates) for p, h, t in shard):
+        if len(merged) == size:
+            break
+        if unique:
+            if h in seen:
+                continue
+            seen.add(h)
+        merged.append((h, t))
+    return [t for _, t in merged], np.array([h for h, _ in merged], dtype=np.int64)
 
 
 def duplicate_rows(scans: list[ShardScan]) -> dict[int, list[int]]:

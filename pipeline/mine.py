@@ -371,7 +371,7 @@ def mine(cfg: MineConfig) -> MineResult:
     fs.makedirs(run_dir, exist_ok=True)
     with fs.open(f"{run_dir}/tfidf.joblib", "wb") as f:
         joblib.dump(vectorizer, f)
-    pool_passages, pool_hashes = pool_sample(scans, c.pool_size) if c.enabled else ([], None)
+    pool_passages, pool_hashes = pool_sample([s.pool for s in scans], c.pool_size) if c.enabled else ([], None)
     del scans
     log.info(
         "first pass: %d documents in %d work unit(s), %d duplicate id(s); TF-IDF fitted on %d passages (vocabulary %d)",

@@ -94,7 +94,7 @@ def test_pool_is_seeded_and_sized_to_the_input(sample_dir):
 
     def pool(seed, size):
         spec = PoolSpec(size=size, seed=seed, doc_cut=1.0, known_rows=827)
-        return pool_sample([scan_shard(s, "text", "id", 10, 0, 1.0, spec) for s in shards], size)
+        return pool_sample([scan_shard(s, "text", "id", 10, 0, 1.0, spec).pool for s in shards], size)
 
     a, b, c = pool(7, 300), pool(7, 300), pool(8, 300)
     assert a[0] == b[0] and np.array_equal(a[1], b[1]) and a[0] != c[0] and len(a[0]) == 300

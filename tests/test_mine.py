@@ -132,7 +132,8 @@ def bad_input(tmp_path_factory, sample_dir):
         "url": [None] * 8,
     })
     pq.write_table(pa.concat_tables([real, extra]), d / "a.parquet")
-    lines = [json.dumps({"id": "j1", "text": real.column("text")[1].as_py()}), "{broken json", json.dumps({"id": "j2", "text": "   "}),
+    longest = max(real.column("text").to_pylist(), key=len)  # a real document long enough for groups
+    lines = [json.dumps({"id": "j1", "text": longest}), "{broken json", json.dumps({"id": "j2", "text": "   "}),
              json.dumps({"id": "mixed", "text": "A later document that reuses an id from the first shard."})]
     (d / "b.jsonl").write_text("\n".join(lines) + "\n")
     return d
@@ -151,10 +152,12 @@ def test_bad_input_is_counted_and_never_crashes(bad_input, tiny_model_dir, tmp_p
     for g in groups:
         by_doc.setdefault(g["doc_id"], []).append(g)
     assert len(by_doc["one-mb"]) == 256  # every passage is identical: all are anchors
-    assert by_doc["one-mb"][0]["related_indices"] == [1, 2, 3, 4]  # ties go to the lower index
+    # Identical passages: every related passage is a copy of the anchor (cosine 1 up to the rounding of different
+    # padding in different batches, so which copies win is not a tie rule here; test_formulas checks that rule).
+    assert all(min(g["related_dense"]) > 0.999 and g["anchor_index"] not in g["related_indices"] for g in by_doc["one-mb"])
     assert "mixed" in by_doc  # control characters and mixed scripts are mined like any text
     assert "single" not in by_doc and s["docs_without_groups_by_reason"]["too_few_passages"] >= 1
-    assert "j1" in {g["doc_id"] for g in groups} or s["docs_without_groups"] >= 1
+    assert "j1" in by_doc  # the JSONL shard's real document is mined like the parquet ones
     assert sorted(p.name for p in (tmp_path / "bad" / "groups").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
 
 
