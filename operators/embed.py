@@ -67,6 +67,23 @@ def pick_dtype(requested: str, device: str) -> str:
         return "float32"
 
 
+def mean_pool(hidden, attention_mask):
+    """Mean of the token vectors over the attention mask: the sentence vector before L2 normalisation.
+
+    The one pooling of pairmine: the embedder (mining) and the training job (``pipeline.xprt_model``) both call it, so
+    a trained encoder is used exactly as it was trained.
+
+    Args:
+        hidden: (batch, seq, dim) last hidden states.
+        attention_mask: (batch, seq), 1 for real tokens, 0 for padding.
+
+    Returns:
+        (batch, dim) tensor in ``hidden``'s dtype.
+    """
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (batch, seq, 1)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)  # (batch, dim)
+
+
 def vector_matrix(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """The passage vectors of a batch of documents as one matrix, without Python-level copies.
 
@@ -183,10 +200,8 @@ class Embedder:
                     return_tensors="pt",
                 ).to(self.device)
                 hidden = self._model(**enc).last_hidden_state  # (batch, seq, dim)
-                mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (batch, seq, 1)
-                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)  # (batch, dim)
-                pooled = torch.nn.functional.normalize(pooled.float(), dim=-1)  # (batch, dim)
-                out[idx] = pooled.cpu().numpy()
+                pooled = torch.nn.functional.normalize(mean_pool(hidden, enc["attention_mask"]).float(), dim=-1)
+                out[idx] = pooled.cpu().numpy()  # (batch, dim)
         return out
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -62,6 +62,90 @@ examples:
 """
 
 
+TRAIN_EPILOG = """\
+the objective (seed 000, xPRT; weights are [loss] keys):
+  L_xp         symmetric InfoNCE anchor <-> positive (s1), tau 0.05, negatives = the other groups' positives (and
+               anchors) of the global batch, gathered from every worker; same-document groups masked out
+  L_cross      x0.1: the anchor vector -> 4 conditioning vectors after [CLS] of a 60%-masked related passage; a
+               one-layer decoder (shared token embeddings and MLM head) fills it in; both directions, 4 related: 8
+               decoder passes
+  L_self       x0.1 (our default): the decoder fills the anchor's and s1's own masked words from their own vectors;
+               target = the encoder's word distribution under its 15% mask
+  L_MLM        x0.1 (our default): the encoder's 15%-masked passes (BERT 80/10/10)
+  L_unif       x0.1 (our default): Wang & Isola uniformity of the batch's anchor vectors
+  retention    KL(frozen starting model || current) of anchor-by-s1 similarity softmaxes, row- and column-wise,
+               on unmasked text; weight falls linearly 40 -> 0
+  5 encoder passes per group (anchor + 4 related, each with a 15% mask) give the sentence vectors (mean pooling).
+
+output (--output, local or s3://):
+  ray-train/checkpoint_*/      checkpoints every checkpoint.every_steps steps; the same command resumes from the latest
+  metrics.jsonl                one line per step: every loss term, retention weight, lr, grad norm, groups/s
+  export/                      the trained encoder (save_pretrained) + tokenizer: transformers.AutoModel loads it
+  train_manifest.json          resolved config, groups, steps, versions
+
+examples:
+  pairmine train --groups runs/sample --output train/xprt
+  pairmine train --groups runs/sample --output train/random --positives random
+  pairmine train --groups s3://bucket/runs/2026-11-29 --output s3://bucket/train/e5-xprt \\
+      --set train.model=/models/e5-base-unsupervised --set scaling.num_workers=8 --set train.batch_size=1024
+  pairmine mine --set embed.model=train/xprt/export        # mine again with the trained encoder
+
+"""
+
+
+def _train_config_reference() -> str:
+    from pipeline.train_config import TrainConfig
+
+    lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
+    cfg = TrainConfig()
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            lines.append(f"  {section.name}.{f.name} = {getattr(getattr(cfg, section.name), f.name)!r}")
+            lines.append(f"      {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def _add_train_parser(sub) -> None:
+    t = sub.add_parser(
+        "train",
+        help="continue pre-training an encoder on mined groups (xPRT objective, Ray Train)",
+        description="Train an encoder on the groups of a pairmine mine run with the full xPRT objective (seed 000) "
+        "on Ray Train: DDP workers (gloo on CPU, nccl on GPU) stream the groups from Ray Data, checkpoint to "
+        "--output and export the final encoder in HuggingFace format.",
+        epilog=TRAIN_EPILOG + _train_config_reference(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    t.add_argument("--groups", metavar="PATH", required=True, help="a committed pairmine mine run folder (with "
+                   "groups/ and _SUCCESS) or its groups/ folder; local or s3://")
+    t.add_argument("--output", metavar="PATH", required=True, help="folder for checkpoints, metrics.jsonl and "
+                   "export/; local or s3://. An existing one is resumed from its latest checkpoint")
+    t.add_argument("--positives", choices=("xprt", "random"), help="xprt (default): the positive is s1, the top "
+                   "related passage; random: a random other passage of the same document (the paper's ablation). "
+                   "Same as train.positives")
+    t.add_argument("--model", metavar="MODEL", help="starting encoder (folder or hub id; default: all-MiniLM-L6-v2). "
+                   "Same as train.model")
+    t.add_argument("--config", metavar="FILE", help="TOML file with [section] tables, see the keys below")
+    t.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override one config key, e.g. --set train.batch_size=32 (repeatable; applied after --config)")
+    t.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to use (default: $RAY_ADDRESS, else start a "
+                   "local Ray). Same as ray.address")
+
+
+def cmd_train(args) -> int:
+    from pipeline.train import train
+    from pipeline.train_config import load_train_config
+
+    overrides = list(args.overrides)
+    for flag, key in ((args.positives, "train.positives"), (args.model, "train.model"), (args.ray_address, "ray.address")):
+        if flag:
+            overrides.append(f"{key}={flag}")
+    result = train(load_train_config(args.config, overrides), args.groups, args.output)
+    m = result.metrics or {}
+    print(f"output: {result.output}\nsteps: {result.steps}; last loss {m.get('loss')} (L_xp {m.get('l_xp')}, "
+          f"P(positive) {m.get('p_positive')})\nexported encoder: {result.export_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pairmine",
@@ -103,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--pool", metavar="PATH", help="documents (parquet/JSONL with text and id) to draw the pool from, "
                    "chunked like pairmine mine's input (default: the pairs' own passages). Same as consistency.pool_path")
     _common_args(f)
+    _add_train_parser(sub)
     return parser
 
 
@@ -167,9 +252,11 @@ def user_error(e: BaseException) -> str | None:
     from pipeline.config import ConfigError
     from pipeline.inputs import InputError
     from pipeline.mine import RunExistsError
+    from pipeline.xprt_model import UnsupportedModelError
 
     cause = getattr(e, "cause", None) or e
-    if isinstance(cause, (ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError)):
+    if isinstance(cause, (ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError,
+                          UnsupportedModelError)):
         return str(cause)
     return None
 
@@ -189,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_mine(args)
         if args.command == "filter-pairs":
             return cmd_filter_pairs(args)
+        if args.command == "train":
+            return cmd_train(args)
     except Exception as e:
         message = user_error(e)
         if message is None:

@@ -114,8 +114,37 @@ class RayConfig:
                                 "bounded memory) instead of waiting for whole row groups")
 
 
+class Sections:
+    """Access by dotted name (``section.key``) for a config made of section dataclasses; shared by
+    :class:`MineConfig` and the training config (``pipeline.train_config.TrainConfig``)."""
+
+    def get(self, dotted: str):
+        section, key = _split(dotted, type(self))
+        return getattr(getattr(self, section), key)
+
+    def set(self, dotted: str, value) -> None:
+        """Set ``section.key`` from a Python value or a string (parsed by the field's type).
+
+        Raises:
+            ConfigError: unknown section/key or a value that does not parse as the field's type.
+        """
+        section, key = _split(dotted, type(self))
+        sec = getattr(self, section)
+        ftype = {f.name: f.type for f in dataclasses.fields(sec)}[key]
+        setattr(sec, key, _coerce(dotted, value, ftype))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def check(self, checks) -> None:
+        """Raise ConfigError for the first failed ``(name, ok, allowed)`` check, naming the field and its value."""
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ConfigError(f"{name} = {self.get(name)!r} is not allowed: must be {allowed}")
+
+
 @dataclass
-class MineConfig:
+class MineConfig(Sections):
     input: InputConfig = field(default_factory=InputConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
@@ -176,33 +205,12 @@ class MineConfig:
             ("ray.docs_per_batch", self.ray.docs_per_batch >= 1, ">= 1"),
             ("ray.target_block_mb", self.ray.target_block_mb > 0, "> 0"),
         ]
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ConfigError(f"{name} = {self.get(name)!r} is not allowed: must be {allowed}")
+        self.check(checks)
         return self
 
-    # ---- access by dotted name ---------------------------------------------------------------------------------
-    def get(self, dotted: str):
-        section, key = _split(dotted)
-        return getattr(getattr(self, section), key)
 
-    def set(self, dotted: str, value) -> None:
-        """Set ``section.key`` from a Python value or a string (parsed by the field's type).
-
-        Raises:
-            ConfigError: unknown section/key or a value that does not parse as the field's type.
-        """
-        section, key = _split(dotted)
-        sec = getattr(self, section)
-        ftype = {f.name: f.type for f in dataclasses.fields(sec)}[key]
-        setattr(sec, key, _coerce(dotted, value, ftype))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _split(dotted: str) -> tuple[str, str]:
-    sections = {f.name: f for f in dataclasses.fields(MineConfig)}
+def _split(dotted: str, config_cls: type = None) -> tuple[str, str]:
+    sections = {f.name: f for f in dataclasses.fields(config_cls or MineConfig)}
     if "." not in dotted:
         raise ConfigError(f"config key {dotted!r} must be section.key; sections: {', '.join(sections)}")
     section, key = dotted.split(".", 1)
@@ -250,7 +258,15 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     Raises:
         ConfigError: unreadable file, unknown section or key, bad value (the message names the field).
     """
-    cfg = MineConfig()
+    return apply_file_and_overrides(MineConfig(), path, overrides).validate()
+
+
+def apply_file_and_overrides(cfg: Sections, path: str | Path | None, overrides: typing.Iterable[str]) -> Sections:
+    """Apply an optional TOML file, then ``key=value`` overrides, to ``cfg`` (not yet validated).
+
+    Raises:
+        ConfigError: unreadable file, unknown section or key, bad value (the message names the field).
+    """
     if path:
         try:
             data = tomllib.loads(Path(path).read_text())
@@ -268,4 +284,4 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
             raise ConfigError(f"--set {item!r} must look like section.key=value")
         key, value = item.split("=", 1)
         cfg.set(key.strip(), value)
-    return cfg.validate()
+    return cfg

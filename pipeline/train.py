@@ -1,0 +1,580 @@
+"""The training job: continue pre-training an encoder on mined groups with the full xPRT objective, on Ray Train
+(SPEC "Training job (Ray Train)"; seed 000).
+
+    driver   check the groups (a committed run folder, the schema), count them, read them with Ray Data (local or
+             s3://), optionally swap in random positives, start a TorchTrainer
+    workers  each streams its shard of the groups (Ray Data streaming split), tokenises on the worker, masks
+             (seeded), runs the 5 encoder + 10 decoder passes and the frozen model's pass, adds up the terms of
+             pipeline/xprt.py, steps AdamW; DDP over gloo (CPU) or nccl (GPU), bf16 autocast on GPU
+    rank 0   a metrics line per step (metrics.jsonl), checkpoints every N steps, the exported encoder at the end
+
+Output folder (``--output``, local or s3://):
+
+    <output>/ray-train/checkpoint_*/   Ray Train checkpoints (state.pt: model, optimizer, schedule, step)
+    <output>/metrics.jsonl             one JSON line per step: every loss term, weights, lr, grad norm, groups/s
+    <output>/export/                   the trained encoder (save_pretrained) + tokenizer: AutoModel loads it, and
+                                       ``pairmine mine --set embed.model=<output>/export`` mines with it
+    <output>/train_manifest.json       resolved config, groups, steps, versions
+
+Re-running the same command with the same ``--output`` resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import math
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline import __version__
+from pipeline.config import ConfigError
+from pipeline.inputs import InputError
+from pipeline.train_config import TrainConfig
+
+log = logging.getLogger("pairmine")
+
+# Columns the training job reads (pairmine mine's GROUP_SCHEMA has them), with their types; lists by value type.
+REQUIRED_COLUMNS = {"group_id": "string", "doc_id": "string", "anchor_index": "int32", "anchor_text": "string",
+                    "related_indices": "list<int32>", "related_texts": "list<string>"}
+
+
+def _type_name(t) -> str:
+    import pyarrow as pa
+
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"list<{_type_name(t.value_type)}>"
+    return "string" if pa.types.is_large_string(t) else str(t)
+SUCCESS_MARKER = "_SUCCESS"
+STATE_FILE = "state.pt"
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns."""
+
+    output: str
+    export_dir: str
+    steps: int
+    metrics: dict | None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver: the groups
+
+
+def find_group_parts(groups: str) -> tuple[object, list[str], str]:
+    """The parquet parts of a committed mining run.
+
+    Args:
+        groups: a run folder of ``pairmine mine`` (with ``groups/`` and ``_SUCCESS``) or its ``groups/`` folder;
+            local or an fsspec URL (``s3://...``).
+
+    Returns:
+        (filesystem, part paths sorted, run folder).
+
+    Raises:
+        FileNotFoundError: the folder does not exist. InputError: no _SUCCESS marker (the run is incomplete) or no
+        parts.
+    """
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(groups.rstrip("/"))
+    if not fs.exists(root):
+        raise FileNotFoundError(f"groups {groups} does not exist")
+    if not fs.isdir(root):
+        raise InputError(f"groups {groups} is a file; give the run folder of pairmine mine (with groups/ and _SUCCESS)")
+    run = root if fs.exists(f"{root}/groups") else root.rsplit("/", 1)[0]
+    if not fs.exists(f"{run}/{SUCCESS_MARKER}"):
+        raise InputError(f"groups {groups}: no {SUCCESS_MARKER} marker in {run}, so the mining run is not complete "
+                         "(or this is not a pairmine mine run folder)")
+    parts = sorted(p for p in fs.find(f"{run}/groups") if p.endswith(".parquet"))
+    if not parts:
+        raise InputError(f"groups {groups}: {run}/groups holds no parquet part")
+    return fs, parts, run
+
+
+def check_group_parts(fs, parts: list[str]) -> tuple[int, int]:
+    """Check every part's schema and count the groups (parquet footers only).
+
+    Returns:
+        (groups, related passages per group: the list length of ``related_texts`` in the first non-empty part).
+
+    Raises:
+        InputError: a part is unreadable or lacks a required column or has it with another type.
+    """
+    import pyarrow.parquet as pq
+
+    total, n_related = 0, 0
+    for path in parts:
+        try:
+            with fs.open(path, "rb") as f:
+                pf = pq.ParquetFile(f)
+                schema, rows = pf.schema_arrow, pf.metadata.num_rows
+                for name, typ in REQUIRED_COLUMNS.items():
+                    if name not in schema.names:
+                        raise InputError(f"groups part {path} has no column {name!r}: not a pairmine groups file "
+                                         f"(columns: {', '.join(schema.names)})")
+                    if _type_name(schema.field(name).type) != typ:
+                        raise InputError(f"groups part {path}: column {name!r} is {_type_name(schema.field(name).type)}, "
+                                         f"expected {typ}")
+                if rows and not n_related:
+                    first = pf.read_row_group(0, columns=["related_texts"]).column(0)
+                    n_related = len(first[0].as_py())
+        except InputError:
+            raise
+        except Exception as e:  # pyarrow raises ArrowInvalid/OSError for corrupt files
+            raise InputError(f"groups part {path} is not a readable parquet file: {str(e).splitlines()[0]}") from None
+        total += rows
+    return total, n_related
+
+
+def random_positives(batch: dict, seed: int) -> dict:
+    """``--positives random``: for every group of ONE document, a random other passage of that document.
+
+    The groups hold only their anchor and related passages, so the candidates are the passages that appear in any
+    group of the document (every anchor and every related passage, by passage index), minus the group's own anchor.
+    Passages that no group holds (typically the off-topic ones: navigation, widgets) cannot be drawn; the paper's
+    random spans could. Seeded per group (seed + group id): the same groups give the same positives.
+
+    Args:
+        batch: all groups of one document (Ray Data ``map_groups``, pyarrow): group_id, anchor_index, anchor_text,
+            related_indices, related_texts.
+
+    Returns:
+        the batch with a ``positive_text`` column.
+    """
+    import hashlib
+
+    import pyarrow as pa
+
+    col = {name: batch.column(name).to_pylist() for name in
+           ("group_id", "anchor_index", "anchor_text", "related_indices", "related_texts")}
+    passages: dict[int, str] = {}
+    for ai, at, ris, rts in zip(col["anchor_index"], col["anchor_text"], col["related_indices"], col["related_texts"]):
+        passages[ai] = at
+        passages.update(zip(ris, rts))
+    chosen = []
+    for ai, gid in zip(col["anchor_index"], col["group_id"]):
+        others = sorted(i for i in passages if i != ai)  # at least the group's own related passages
+        rng = np.random.default_rng(int(hashlib.sha1(f"{seed}:{gid}".encode()).hexdigest()[:15], 16))
+        chosen.append(passages[others[int(rng.integers(len(others)))]])
+    return batch.append_column("positive_text", pa.array(chosen, pa.string()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker
+
+
+def _autocast_dtype(cfg: TrainConfig, device_type: str):
+    import torch
+
+    if cfg.train.dtype == "float32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
+        return None
+    return torch.bfloat16
+
+
+def _load_models(cfg: TrainConfig):
+    """Tokenizer, trainable XPRTModel and the frozen starting encoder (always the starting model, also on resume)."""
+    import copy
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from operators.embed import default_model_path
+    from pipeline.xprt_model import XPRTModel, load_encoder_and_head
+
+    path = cfg.train.model or default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.train.trust_remote_code)
+    encoder, head, fresh_head = load_encoder_and_head(path, cfg.train.trust_remote_code)
+    frozen = copy.deepcopy(encoder).eval().requires_grad_(False)
+    torch.manual_seed(cfg.train.seed)  # the new modules start the same on every worker (DDP also broadcasts rank 0's)
+    model = XPRTModel(encoder, head, cfg.loss.n_cond)
+    return tokenizer, model, frozen, fresh_head
+
+
+def _param_groups(model, cfg: TrainConfig, fresh_head: bool) -> list[dict]:
+    new = {id(p) for p in model.new_parameters()}
+    if fresh_head:
+        emb = {id(p) for p in model.encoder.parameters()}
+        new |= {id(p) for p in model.head.parameters() if id(p) not in emb}  # the tied token table stays "old"
+    seen, old_p, new_p = set(), [], []
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (new_p if id(p) in new else old_p).append(p)
+    wd = cfg.train.weight_decay
+    return [{"params": old_p, "lr": cfg.train.lr, "weight_decay": wd},
+            {"params": new_p, "lr": cfg.train.lr_new, "weight_decay": wd}]
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """Linear warmup over ``warmup`` steps, then linear decay to 0 at ``total`` (0-based ``step``)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+class MetricsLog:
+    """``<output>/metrics.jsonl`` written by rank 0: one line per step. On resume, lines after the checkpoint's
+    step (written by the killed attempt) are dropped first, so every step appears once. Local files are appended
+    line by line; object storage (no append) gets the whole file rewritten at every checkpoint and at the end."""
+
+    def __init__(self, output: str, resume_step: int):
+        import fsspec
+
+        self.fs, root = fsspec.core.url_to_fs(output)
+        self.path = f"{root}/metrics.jsonl"
+        self.local = "file" in self.fs.protocol  # LocalFileSystem: ("file", "local")
+        self.lines: list[str] = []
+        if self.fs.exists(self.path):
+            with self.fs.open(self.path, "r") as f:
+                self.lines = [ln for ln in f.read().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+        self.flush()
+
+    def add(self, record: dict) -> None:
+        line = json.dumps(record)
+        self.lines.append(line)
+        if self.local:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+
+    def flush(self) -> None:
+        tmp = f"{self.path}.tmp"
+        with self.fs.open(tmp, "w") as f:
+            f.write("".join(ln + "\n" for ln in self.lines))
+        self.fs.mv(tmp, self.path)
+
+
+def _save_state(model, optimizer, scheduler, step: int, epoch: int, folder: str) -> None:
+    import torch
+
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "step": step, "epoch": epoch}, os.path.join(folder, STATE_FILE))
+
+
+def _export(model, tokenizer, output: str) -> str:
+    """Save the encoder with ``save_pretrained`` and its tokenizer to ``<output>/export`` (via a local temp folder for
+    object storage)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(output)
+    target = f"{root}/export"
+    with tempfile.TemporaryDirectory() as tmp:
+        model.encoder.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if fs.exists(target):
+            fs.rm(target, recursive=True)
+        fs.put(tmp + "/", target, recursive=True)
+    return target
+
+
+def train_loop(config: dict) -> None:
+    """Ray Train worker: the training loop (the same code on a laptop's CPU workers and a GPU cluster)."""
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from pipeline.xprt import (
+        doc_hash, gather_with_grad, info_nce_symmetric, mask_tokens, masked_lm_loss, positive_probability,
+        retention_kl, retention_weight, self_distillation_loss, uniformity,
+    )
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from ray.train.v2._internal.execution import context as _ray_train_context
+
+    # Ray Train logs every report() with all its metrics at INFO, per worker: our own line every 10 steps replaces it.
+    logging.getLogger(_ray_train_context.__file__).setLevel(logging.WARNING)
+    cfg = TrainConfig.from_dict(config["cfg"])
+    total, per_epoch, output = config["total_steps"], config["steps_per_epoch"], config["output"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.scaling.threads or max(1, math.ceil(config["cpus_per_worker"])))
+    amp = _autocast_dtype(cfg, device.type)
+    per_worker = cfg.train.batch_size // world
+    lo = cfg.loss
+
+    tokenizer, model, frozen, fresh_head = _load_models(cfg)
+    frozen.to(device)
+    optimizer = torch.optim.AdamW(_param_groups(model, cfg, fresh_head))
+    warmup = int(cfg.train.warmup_ratio * total)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup))
+    step = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, STATE_FILE), map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = int(state["step"])
+        if rank == 0:
+            log.info("resumed from checkpoint at step %d of %d", step, total)
+    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": False})
+    inner = model.module if hasattr(model, "module") else model
+    start_step = step
+    metrics_log = MetricsLog(output, step) if rank == 0 else None
+    prefix = cfg.resolved_prefix()
+    shard = ray.train.get_dataset_shard("train")
+    every = cfg.checkpoint.every_steps
+    special_ids = torch.tensor(sorted(set(tokenizer.all_special_ids)))
+    t_last = time.time()
+    last_metrics: dict = {}
+
+    while step < total:
+        epoch = step // per_epoch
+        todo = min(per_epoch - step % per_epoch, total - step)  # batches left in this epoch (fewer after a resume)
+        batches = shard.iter_batches(batch_size=per_worker, drop_last=True, batch_format="numpy",
+                                     local_shuffle_buffer_size=cfg.train.shuffle_buffer or None,
+                                     local_shuffle_seed=cfg.train.seed + 1000 * epoch + rank if cfg.train.shuffle_buffer else None)
+        done = 0
+        for batch in batches:
+            if done == todo:
+                break
+            done += 1
+            model.train()
+            g = len(batch["anchor_text"])
+            positives = batch["positive_text"] if "positive_text" in batch else [r[0] for r in batch["related_texts"]]
+            related = [list(r) for r in batch["related_texts"]]
+            if any(len(r) != len(related[0]) for r in related):
+                raise ValueError("groups in one batch have different numbers of related passages")
+            # passage-major: anchors, positives, then related passages 2..R (s1 itself is the xPRT positive)
+            texts = list(batch["anchor_text"]) + list(positives) + [r[k] for k in range(1, len(related[0])) for r in related]
+            enc = tokenizer([prefix + t for t in texts], padding=True, truncation=True, max_length=cfg.train.max_length,
+                            return_tensors="pt")
+            ids, attn = enc["input_ids"], enc["attention_mask"]  # (P * g, seq)
+            special = torch.isin(ids, special_ids) | (attn == 0)  # (P * g, seq)
+            gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step * 1009 + rank)
+            enc_ids, enc_chosen = mask_tokens(ids, special, lo.encoder_mask_rate, gen, tokenizer.mask_token_id,
+                                              len(tokenizer), 0.1, 0.1)
+            dec_ids, dec_chosen = mask_tokens(ids, special, lo.decoder_mask_rate, gen, tokenizer.mask_token_id,
+                                              len(tokenizer))
+            docs = torch.tensor([doc_hash(d) for d in batch["doc_id"]], device=device)  # (g,)
+            ids, attn, enc_ids, enc_chosen, dec_ids, dec_chosen = (
+                t.to(device) for t in (ids, attn, enc_ids, enc_chosen, dec_ids, dec_chosen))
+
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                out = model(enc_ids, attn, enc_chosen, ids, dec_ids, dec_chosen, g)
+                with torch.no_grad():  # the frozen starting model, unmasked anchors and positives
+                    hidden = frozen(input_ids=ids[: 2 * g], attention_mask=attn[: 2 * g]).last_hidden_state
+                    from operators.embed import mean_pool
+                    frz = F.normalize(mean_pool(hidden, attn[: 2 * g]).float(), dim=-1)  # (2g, dim)
+            vec = F.normalize(out.pooled.float(), dim=-1)  # (P * g, dim)
+            a, p = gather_with_grad(vec[:g]), gather_with_grad(vec[g: 2 * g])  # (world * g, dim) each
+            fa, fp = gather_with_grad(frz[:g]), gather_with_grad(frz[g:])  # (world * g, dim) each, constants
+            all_docs = gather_with_grad(docs)  # (world * g,)
+            w_ret = retention_weight(step, total, lo.retention_start, lo.retention_end)
+            terms = {
+                "l_xp": info_nce_symmetric(a, p, all_docs, lo.tau, lo.mask_same_doc),
+                "l_unif": uniformity(a, lo.unif_t),
+                "l_retention": retention_kl(a, p, fa, fp, lo.retention_tau),
+                "l_cross": masked_lm_loss(out.cross_logits, out.cross_labels),
+                "l_self": self_distillation_loss(out.self_logits, out.self_teacher),
+                "l_mlm": masked_lm_loss(out.mlm_logits, ids[enc_chosen]),
+            }
+            global_part = lo.w_xp * terms["l_xp"] + lo.w_unif * terms["l_unif"] + w_ret * terms["l_retention"]
+            local_part = lo.w_cross * terms["l_cross"] + lo.w_self * terms["l_self"] + lo.w_mlm * terms["l_mlm"]
+            # DDP averages gradients over workers. Local terms: the average of per-worker means is the global mean.
+            # Global-batch terms are the same value on every worker, each backpropagating through its own rows
+            # only: scaling them by the world size makes the average equal to the full gradient.
+            optimizer.zero_grad(set_to_none=True)
+            (world * global_part + local_part).backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
+            optimizer.step()
+            scheduler.step()
+            step += 1
+
+            # report: local terms averaged over workers; global terms are already global
+            local = torch.stack([terms["l_cross"], terms["l_self"], terms["l_mlm"]]).detach().float()
+            if world > 1:
+                dist.all_reduce(local)
+                local /= world
+            terms["l_cross"], terms["l_self"], terms["l_mlm"] = local
+            now = time.time()
+            metrics = {k: round(float(v.detach()), 6) for k, v in terms.items()}
+            metrics["loss"] = round(float(lo.w_xp * metrics["l_xp"] + lo.w_unif * metrics["l_unif"]
+                                          + w_ret * metrics["l_retention"] + lo.w_cross * metrics["l_cross"]
+                                          + lo.w_self * metrics["l_self"] + lo.w_mlm * metrics["l_mlm"]), 6)
+            metrics.update({
+                "step": step, "epoch": epoch, "start_step": start_step, "w_retention": round(w_ret, 6),
+                "p_positive": round(float(positive_probability(a.detach(), p.detach(), all_docs, lo.tau,
+                                                               lo.mask_same_doc)), 6),
+                "lr": scheduler.get_last_lr()[0], "lr_new": scheduler.get_last_lr()[1],
+                "grad_norm": round(float(grad_norm), 6), "groups": g * world,
+                "groups_per_s": round(g * world / max(now - t_last, 1e-9), 3), "time": round(now, 3),
+            })
+            t_last = now
+            last_metrics = metrics
+            save = step == total or (every > 0 and step % every == 0)
+            if rank == 0:
+                metrics_log.add(metrics)
+                if step % 10 == 0 or step == 1 or save:
+                    log.info("step %d/%d loss %.4f (xp %.4f cross %.4f self %.4f mlm %.4f unif %.4f ret %.4f x %.1f) "
+                             "p+ %.3f %.2f groups/s", step, total, metrics["loss"], metrics["l_xp"], metrics["l_cross"],
+                             metrics["l_self"], metrics["l_mlm"], metrics["l_unif"], metrics["l_retention"], w_ret,
+                             metrics["p_positive"], metrics["groups_per_s"])
+            if save:
+                if rank == 0:
+                    metrics_log.flush()
+                    with tempfile.TemporaryDirectory() as tmp:
+                        _save_state(inner, optimizer, scheduler, step, epoch, tmp)
+                        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+                else:
+                    ray.train.report(metrics, checkpoint=None)
+            else:
+                ray.train.report(metrics)
+            if step >= total:
+                break
+        if done < todo:
+            raise RuntimeError(f"epoch {epoch} ended after {done} of {todo} batches: fewer groups than counted")
+
+    if rank == 0:
+        metrics_log.flush()
+        target = _export(inner, tokenizer, output)
+        log.info("exported the encoder and tokenizer to %s (step %d)", target, step)
+    if world > 1:
+        dist.barrier()
+    del last_metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"pairmine": __version__, "python": platform.python_version()}
+    for pkg in ("ray", "torch", "transformers"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def check_train_model(cfg: TrainConfig) -> None:
+    """Fail before Ray starts when the configured model cannot be found (reads only its config)."""
+    if not cfg.train.model:
+        return
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(cfg.train.model, trust_remote_code=cfg.train.trust_remote_code)
+    except Exception as e:
+        raise ConfigError(f"train.model = {cfg.train.model!r} cannot be loaded: {str(e).splitlines()[0]}") from None
+
+
+def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
+    """Run the training job with a validated config.
+
+    Args:
+        groups: a committed ``pairmine mine`` run folder (or its ``groups/``), local or s3://.
+        output: folder for checkpoints, metrics.jsonl and export/, local or s3://; an existing one with checkpoints
+            is resumed.
+
+    Raises:
+        FileNotFoundError, InputError: missing, incomplete or malformed groups, or too few groups for one batch.
+        ConfigError: a bad combination of settings (batch size vs workers), a model that cannot be loaded.
+    """
+    import fsspec
+    import ray
+    import ray.data
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from pipeline.ray_adapter import cluster_gpus, configure_data, init_ray
+
+    def cluster_cpus() -> float:
+        return float(ray.cluster_resources().get("CPU", 1))
+
+    t0 = time.time()
+    fs_in, parts, run_dir = find_group_parts(groups)
+    n_groups, n_related = check_group_parts(fs_in, parts)
+    if n_related < 1:
+        raise InputError(f"groups {groups}: the groups have no related passages")
+    check_train_model(cfg)
+    per_epoch = n_groups // cfg.train.batch_size
+    if per_epoch < 1:
+        raise InputError(f"groups {groups}: {n_groups} groups are too few for one batch of train.batch_size = "
+                         f"{cfg.train.batch_size}")
+    if "://" not in output:
+        output = os.path.abspath(output)
+    fs_out, out_root = fsspec.core.url_to_fs(output)
+    if fs_out.exists(out_root) and not fs_out.isdir(out_root):
+        raise ConfigError(f"--output {output} is a file; it must be a folder (created if missing)")
+
+    where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    configure_data(1.0)
+    sc = cfg.scaling
+    gpus = cluster_gpus() if sc.device != "cpu" else 0
+    use_gpu = sc.device == "cuda" or (sc.device == "auto" and gpus > 0)
+    if sc.device == "cuda" and not gpus:
+        raise ConfigError("scaling.device = 'cuda' but the Ray cluster has no GPU")
+    workers = sc.num_workers or (gpus if use_gpu else 2)
+    if cfg.train.batch_size % workers:
+        raise ConfigError(f"train.batch_size = {cfg.train.batch_size} must divide by the {workers} workers "
+                          "(scaling.num_workers)")
+    total = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * per_epoch
+    log.info("training on %d groups (%d related passages each) from %s: %d steps of %d groups (%d per epoch), "
+             "%d worker(s) on %s, positives %s; Ray %s", n_groups, n_related, run_dir, total, cfg.train.batch_size,
+             per_epoch, workers, "GPU (nccl)" if use_gpu else "CPU (gloo)", cfg.train.positives, where)
+
+    url = fs_in.unstrip_protocol if "://" in groups else (lambda p: p)
+    columns = list(REQUIRED_COLUMNS)
+    ds = ray.data.read_parquet([url(p) for p in parts], columns=columns)
+    if cfg.train.positives == "random":
+        seed = cfg.train.seed
+        ds = ds.groupby("doc_id", num_partitions=max(1, min(64, len(parts)))).map_groups(
+            lambda b: random_positives(b, seed), batch_format="pyarrow")
+    else:
+        ds = ds.select_columns(["doc_id", "anchor_text", "related_texts"])
+    ds = ds.randomize_block_order(seed=cfg.train.seed)
+
+    cpus = sc.cpus_per_worker or (1.0 if use_gpu else max(0.25, (cluster_cpus() - 1) / workers))
+    resources = {"CPU": cpus}
+    if use_gpu:
+        resources["GPU"] = sc.gpus_per_worker
+    manifest = {
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": cfg.to_dict(),
+        "groups": {"path": groups, "run": url(run_dir), "parts": len(parts), "groups": n_groups, "related": n_related},
+        "resolved": {"workers": workers, "cpus_per_worker": cpus, "device": "cuda" if use_gpu else "cpu",
+                     "backend": "nccl" if use_gpu else "gloo", "total_steps": total, "steps_per_epoch": per_epoch, "passage_prefix": cfg.resolved_prefix(),
+                     "ray": where},
+        "versions": _versions(),
+        "host": platform.node(),
+    }
+    fs_out.makedirs(out_root, exist_ok=True)
+    with fs_out.open(f"{out_root}/train_manifest.json", "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.write("\n")
+
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"cfg": cfg.to_dict(), "total_steps": total, "steps_per_epoch": per_epoch, "output": output,
+                           "cpus_per_worker": cpus},
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            storage_path=output, name=cfg.checkpoint.name,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
+        ),
+        datasets={"train": ds},
+    )
+    result = trainer.fit()
+    export = f"{output.rstrip('/')}/export"
+    log.info("done in %.1f s: %d steps -> %s", time.time() - t0, total, export)
+    return TrainResult(output=output, export_dir=export, steps=total, metrics=result.metrics)

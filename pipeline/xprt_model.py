@@ -1,0 +1,177 @@
+"""The model trained by xPRT: a HuggingFace encoder, its MLM head, the conditioning map and a one-layer decoder
+(seed 000, "The objective"; SPEC "Training job").
+
+    encoder      any HuggingFace BERT-style encoder (AutoModel), the model that is exported
+    mlm head     the checkpoint's own masked-LM head (AutoModelForMaskedLM); a fresh one when it has none (logged)
+    cond         Linear(dim, n_cond * dim): a sentence vector -> n_cond (4) conditioning vectors
+    decoder      one transformer layer; its input is the encoder's embedding module applied to a 60%-masked passage
+                 (so the token embedding table is shared) with the conditioning vectors inserted right after [CLS];
+                 its output goes through the same MLM head
+
+One forward call does the 5 encoder passes of a batch of groups (anchor, positive, 3 more related passages, each
+once with a 15% mask) and the 10 decoder passes (4 anchor -> related, 4 related -> anchor, 2 self), and returns
+only what the losses need: vectors, and logits at masked positions (never the full (rows, seq, vocab) tensor).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from operators.embed import mean_pool
+
+log = logging.getLogger("pairmine")
+
+
+class UnsupportedModelError(ValueError):
+    """The model has no masked-LM head class pairmine can use (the message names the model type)."""
+
+
+def load_encoder_and_head(path: str, trust_remote_code: bool = False) -> tuple[nn.Module, nn.Module, bool]:
+    """Load ``path`` as an encoder (``AutoModel``, exactly what is exported) and its MLM head
+    (``AutoModelForMaskedLM``), with the head's output projection tied to the encoder's token embeddings.
+
+    Returns:
+        (encoder, head, fresh): ``fresh`` is True when the checkpoint had no MLM head weights and a new head was
+        created (the log says so).
+
+    Raises:
+        UnsupportedModelError: the masked-LM class of this model type is missing or has no single head module.
+    """
+    import transformers
+    from transformers import AutoModel, AutoModelForMaskedLM
+
+    transformers.logging.disable_progress_bar()
+    encoder = AutoModel.from_pretrained(path, trust_remote_code=trust_remote_code)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the load report of a head-less checkpoint is replaced by one line
+    try:
+        mlm, info = AutoModelForMaskedLM.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                         output_loading_info=True)
+    except ValueError as e:
+        raise UnsupportedModelError(f"model {path} ({encoder.config.model_type}) has no masked-LM class: {e}") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    heads = [(name, m) for name, m in mlm.named_children() if m is not mlm.base_model]
+    if len(heads) != 1:
+        raise UnsupportedModelError(
+            f"model {path} ({encoder.config.model_type}): expected one MLM head module next to the encoder, found "
+            f"{[n for n, _ in heads]}")
+    name, head = heads[0]
+    missing = sorted(k for k in info["missing_keys"] if k.startswith(name + "."))
+    fresh = bool(missing) and len(missing) >= 2  # a tied output weight alone is not "missing"
+    if fresh:
+        log.warning("model %s has no MLM head in its checkpoint: created a fresh one (%s.*, %d tensors), trained with "
+                    "the new modules' learning rate", path, name, len(missing))
+    out = mlm.get_output_embeddings()
+    if out is not None and getattr(encoder.config, "tie_word_embeddings", True):
+        out.weight = encoder.get_input_embeddings().weight  # the head predicts through the shared token table
+    del mlm
+    # A pooler (BERT's [CLS] dense layer) is not used by mean pooling: frozen, exported unchanged.
+    pooler = getattr(encoder, "pooler", None)
+    if isinstance(pooler, nn.Module):
+        pooler.requires_grad_(False)
+    return encoder, head, fresh
+
+
+@dataclass
+class XPRTOutput:
+    """What :meth:`XPRTModel.forward` returns (only what the losses need).
+
+    Attributes:
+        pooled: (passages * groups, dim) mean-pooled vectors of the 15%-masked passes, passage-major.
+        mlm_logits: (n_mlm, vocab) encoder logits at the encoder's masked positions.
+        cross_logits: (n_cross, vocab) decoder logits at the masked positions of the 2 * n_related cross passes.
+        cross_labels: (n_cross,) true token ids there.
+        self_logits: (n_self, vocab) decoder logits of the 2 self passes (anchor, positive) at their masked positions.
+        self_teacher: (n_self, vocab) the encoder's logits at the same positions (from its 15%-masked pass).
+    """
+
+    pooled: torch.Tensor
+    mlm_logits: torch.Tensor
+    cross_logits: torch.Tensor
+    cross_labels: torch.Tensor
+    self_logits: torch.Tensor
+    self_teacher: torch.Tensor
+
+
+class XPRTModel(nn.Module):
+    """Encoder + MLM head + conditioning map + one-layer decoder.
+
+    Args:
+        encoder: a HuggingFace encoder (``last_hidden_state`` output, an ``embeddings`` module taking input_ids).
+        head: its MLM head: (..., dim) hidden states -> (..., vocab) logits.
+        n_cond: conditioning vectors per sentence vector (seed 000: 4).
+    """
+
+    def __init__(self, encoder: nn.Module, head: nn.Module, n_cond: int = 4):
+        super().__init__()
+        cfg = encoder.config
+        dim = int(cfg.hidden_size)
+        self.encoder, self.head, self.n_cond, self.dim = encoder, head, n_cond, dim
+        self.cond = nn.Linear(dim, n_cond * dim)
+        self.decoder = nn.TransformerEncoderLayer(
+            d_model=dim, nhead=int(cfg.num_attention_heads), dim_feedforward=int(getattr(cfg, "intermediate_size", 4 * dim)),
+            dropout=float(getattr(cfg, "hidden_dropout_prob", 0.1)), activation="gelu", batch_first=True,
+            layer_norm_eps=float(getattr(cfg, "layer_norm_eps", 1e-12)),
+        )
+
+    def new_parameters(self) -> list[nn.Parameter]:
+        """Parameters created for training (conditioning map, decoder), not loaded from the checkpoint."""
+        return list(self.cond.parameters()) + list(self.decoder.parameters())
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Mean-pooled vectors, not normalised: (batch, dim). Mining uses the same pooling (``operators.embed``)."""
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (batch, seq, dim)
+        return mean_pool(hidden, attention_mask)  # (batch, dim)
+
+    def forward(self, enc_ids: torch.Tensor, attention_mask: torch.Tensor, enc_chosen: torch.Tensor,
+                labels: torch.Tensor, dec_ids: torch.Tensor, dec_chosen: torch.Tensor, groups: int) -> XPRTOutput:
+        """All encoder and decoder passes of one batch.
+
+        Args:
+            enc_ids: (P * G, seq) 15%-masked passages, passage-major: rows [0:G] anchors, [G:2G] positives (s1, or
+                a random passage with ``--positives random``), then the other related passages, G rows each.
+            attention_mask: (P * G, seq).
+            enc_chosen: (P * G, seq) bool, the encoder's masked positions (L_MLM targets).
+            labels: (P * G, seq) the unmasked token ids.
+            dec_ids: (P * G, seq) 60%-masked passages (plain [MASK]), same layout.
+            dec_chosen: (P * G, seq) bool, the decoder's masked positions.
+            groups: G, the number of groups in the batch (P = rows / G passages per group).
+        """
+        rows, seq = enc_ids.shape
+        n_rel = rows // groups - 1  # related passages per group (4)
+        hidden = self.encoder(input_ids=enc_ids, attention_mask=attention_mask).last_hidden_state  # (rows, seq, dim)
+        pooled = mean_pool(hidden, attention_mask)  # (rows, dim)
+        mlm_logits = self.head(hidden[enc_chosen])  # (n_mlm, vocab)
+
+        # Decoder rows: 4 x (anchor vector -> related k), 4 x (related k vector -> anchor), 2 self (anchor, s1).
+        g = torch.arange(groups, device=enc_ids.device)  # (G,)
+        rel = torch.arange(1, n_rel + 1, device=enc_ids.device)  # (R,)
+        rel_rows = (rel.unsqueeze(1) * groups + g).reshape(-1)  # (R * G,) rows of related k of every group
+        anchor_rows = g.repeat(n_rel)  # (R * G,) the matching anchor rows
+        input_rows = torch.cat([rel_rows, anchor_rows, g, g + groups])  # (2RG + 2G,) passage to fill in
+        cond_rows = torch.cat([anchor_rows, rel_rows, g, g + groups])  # (2RG + 2G,) vector that conditions it
+        n_cross = 2 * n_rel * groups
+
+        cond = self.cond(pooled[cond_rows]).view(-1, self.n_cond, self.dim)  # (dec_rows, n_cond, dim)
+        tok = self.encoder.embeddings(input_ids=dec_ids)[input_rows]  # (dec_rows, seq, dim), shared embeddings
+        x = torch.cat([tok[:, :1], cond.to(tok.dtype), tok[:, 1:]], 1)  # (dec_rows, n_cond + seq, dim)
+        keep = attention_mask[input_rows].bool()  # (dec_rows, seq)
+        pad = torch.cat([~keep[:, :1], torch.zeros_like(keep[:, :1]).expand(-1, self.n_cond), ~keep[:, 1:]], 1)
+        out = self.decoder(x, src_key_padding_mask=pad)  # (dec_rows, n_cond + seq, dim)
+        out = torch.cat([out[:, :1], out[:, 1 + self.n_cond:]], 1)  # (dec_rows, seq, dim) token positions only
+
+        chosen = dec_chosen[input_rows]  # (dec_rows, seq)
+        cross_chosen = chosen[:n_cross]  # (n_cross_rows, seq)
+        cross_logits = self.head(out[:n_cross][cross_chosen])  # (n_cross, vocab)
+        cross_labels = labels[input_rows[:n_cross]][cross_chosen]  # (n_cross,)
+        self_chosen = chosen[n_cross:]  # (2G, seq)
+        self_logits = self.head(out[n_cross:][self_chosen])  # (n_self, vocab)
+        teacher_rows = torch.cat([g, g + groups])  # (2G,) the encoder's own passes of anchor and s1
+        with torch.no_grad():  # the teacher gets no gradient from L_self (L_MLM trains it)
+            self_teacher = self.head(hidden[teacher_rows][self_chosen])  # (n_self, vocab)
+        return XPRTOutput(pooled, mlm_logits, cross_logits, cross_labels, self_logits, self_teacher)

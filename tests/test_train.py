@@ -1,0 +1,221 @@
+"""The training job end to end on CPU (SPEC "Training job (Ray Train)"): groups mined from the shipped sample with a
+tiny BERT, `pairmine train` with 2 DDP workers (gloo) run as a user runs it, SIGKILLed after its first checkpoint and
+run again: it continues from the saved step, the loss falls, the exported encoder loads and embeds. Plus the random
+positives, the model's passes and bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from operators.chunk import chunk_text
+from pipeline.config import load_config
+from pipeline.mine import mine
+from pipeline.train import random_positives
+
+STEPS, EVERY = 12, 3
+TRAIN_ARGS = ["--set", "scaling.num_workers=2", "--set", "train.batch_size=8", "--set", f"train.max_steps={STEPS}",
+              "--set", f"checkpoint.every_steps={EVERY}", "--set", "train.max_length=64", "--set", "train.lr=1e-3",
+              "--set", "train.lr_new=1e-3", "--set", "train.warmup_ratio=0", "--set", "train.shuffle_buffer=64"]
+
+
+def _cli(*args) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", *args]
+
+
+@pytest.fixture(scope="module")
+def tiny_groups(tmp_path_factory, sample_dir, tiny_model_dir):
+    """A committed mining run: the 24 documents of the first sample shard with the most passages, tiny model."""
+    d = tmp_path_factory.mktemp("train-input")
+    t = pq.read_table(sample_dir / "000_00000.parquet", columns=["id", "text", "url"])
+    n = [len(chunk_text(x).passages) for x in t.column("text").to_pylist()]
+    keep = sorted(np.argsort(n)[::-1][:24].tolist())
+    pq.write_table(t.take(keep), d / "docs.parquet")
+    cfg = load_config(overrides=[f"input.path={d / 'docs.parquet'}", f"output.path={d / 'runs'}", "output.run_id=tiny",
+                                 f"embed.model={tiny_model_dir}", "embed.dtype=float32", "anchors.threshold=0.99",
+                                 "consistency.enabled=false"])
+    stats = mine(cfg).stats
+    assert stats["groups"] >= 100
+    return d / "runs" / "tiny"
+
+
+def _metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tiny_groups, tiny_model_dir, tmp_path_factory):
+    """`pairmine train` SIGKILLed (with its local Ray) once the first checkpoint is registered and a later step is
+    logged, then the same command again."""
+    out = tmp_path_factory.mktemp("train") / "xprt"
+    cmd = _cli("train", "--groups", str(tiny_groups), "--output", str(out), "--model", tiny_model_dir, *TRAIN_ARGS)
+    log1 = open(out.parent / "first.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
+    snapshot = out / "ray-train" / "checkpoint_manager_snapshot.json"
+    deadline = time.time() + 400
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if snapshot.exists() and len(_metrics(out)) >= EVERY + 1:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, "the first run ended before it could be killed: " + (out.parent / "first.log").read_text()[-3000:]
+        assert snapshot.exists(), "no checkpoint within the time limit"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started (same session)
+        proc.wait()
+        log1.close()
+    killed_at = len(_metrics(out))
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-4000:]
+    return out, killed_at, second
+
+
+def test_killed_run_resumes_from_its_checkpoint(killed_and_resumed):
+    out, killed_at, second = killed_and_resumed
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step once, none restarted
+    resumed = {r["start_step"] for r in rows if r["start_step"] > 0}
+    assert len(resumed) == 1
+    start = resumed.pop()
+    assert start % EVERY == 0 and EVERY <= start <= killed_at  # a saved step, not step 0
+    assert all(r["start_step"] == 0 for r in rows if r["step"] <= start)
+    assert all(r["start_step"] == start for r in rows if r["step"] > start)
+    assert f"resumed from checkpoint at step {start} of {STEPS}" in second.stdout + second.stderr
+    ckpts = sorted(p for p in (out / "ray-train").glob("checkpoint_*") if p.is_dir())
+    assert 1 <= len(ckpts) <= 2 and all((c / "state.pt").exists() for c in ckpts)  # checkpoint.keep = 2
+    state = torch.load(ckpts[-1] / "state.pt", map_location="cpu", weights_only=False)
+    assert state["step"] == STEPS
+
+
+def test_every_term_is_reported_and_the_loss_falls(killed_and_resumed):
+    out, _, second = killed_and_resumed
+    rows = _metrics(out)
+    for r in rows:
+        assert {"loss", "l_xp", "l_cross", "l_self", "l_mlm", "l_unif", "l_retention", "w_retention", "lr",
+                "grad_norm", "groups_per_s", "p_positive"} <= set(r)
+        assert all(np.isfinite(r[k]) for k in ("loss", "l_xp", "l_cross", "l_self", "l_mlm", "l_unif", "l_retention"))
+        assert r["groups"] == 8
+    assert rows[0]["w_retention"] == 40.0 and rows[-1]["w_retention"] == 0.0
+    first, last = rows[:3], rows[-3:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(last, "loss") < mean(first, "loss")
+    assert mean(last, "l_mlm") < mean(first, "l_mlm") and mean(last, "l_cross") < mean(first, "l_cross")
+    manifest = json.loads((out / "train_manifest.json").read_text())
+    assert manifest["resolved"]["workers"] == 2 and manifest["resolved"]["backend"] == "gloo"
+    assert manifest["resolved"]["total_steps"] == STEPS and manifest["config"]["loss"]["w_cross"] == 0.1
+    assert "exported encoder:" in second.stdout
+
+
+def test_exported_encoder_loads_and_embeds(killed_and_resumed, tiny_model_dir):
+    from transformers import AutoModel
+
+    from operators.embed import Embedder
+
+    out, _, _ = killed_and_resumed
+    export = out / "export"
+    model = AutoModel.from_pretrained(export)
+    assert type(model).__name__ == "BertModel" and model.config.hidden_size == 64
+    texts = ["The perfect game is a rare feat in baseball.", "A pitcher retires all 27 batters."]
+    trained = Embedder(str(export), dtype="float32").encode(texts)
+    start = Embedder(tiny_model_dir, dtype="float32").encode(texts)
+    assert trained.shape == (2, 64) and np.allclose(np.linalg.norm(trained, axis=1), 1.0, atol=1e-5)
+    assert not np.allclose(trained, start, atol=1e-4)  # training changed the encoder
+
+
+def test_random_positives_are_other_passages_of_the_same_document():
+    batch = pa.table({  # two groups of one document: anchors 0 and 5, passages 0..8 between them
+        "group_id": ["g0", "g1"],
+        "anchor_index": pa.array([0, 5], pa.int32()),
+        "anchor_text": ["p0", "p5"],
+        "related_indices": pa.array([[1, 2, 3, 4], [6, 7, 8, 0]], pa.list_(pa.int32())),
+        "related_texts": [["p1", "p2", "p3", "p4"], ["p6", "p7", "p8", "p0"]],
+    })
+    out = random_positives(batch, seed=0).column("positive_text").to_pylist()
+    doc = {f"p{i}" for i in range(9)}
+    assert [p in doc for p in out] == [True, True]
+    assert out[0] != "p0" and out[1] != "p5"  # never the group's own anchor
+    assert random_positives(batch, seed=0).column("positive_text").to_pylist() == out  # seeded
+    draws = {random_positives(batch, seed=s).column("positive_text")[0].as_py() for s in range(60)}
+    assert draws == doc - {"p0"}  # any passage of the document's groups, also ones outside this group
+
+
+def test_model_passes_shapes_on_a_tiny_bert(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from pipeline.xprt import mask_tokens
+    from pipeline.xprt_model import XPRTModel, load_encoder_and_head
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    encoder, head, fresh = load_encoder_and_head(tiny_model_dir)
+    assert fresh  # the tiny checkpoint is a BertModel: no MLM head
+    model = XPRTModel(encoder, head, n_cond=4).eval()
+    assert head.predictions.decoder.weight is encoder.embeddings.word_embeddings.weight  # shared token table
+    g = 3
+    texts = [f"passage number {i} of group {j} with some words" for i in range(5) for j in range(g)]
+    enc = tok(texts, padding=True, return_tensors="pt")
+    ids, attn = enc["input_ids"], enc["attention_mask"]
+    special = torch.isin(ids, torch.tensor(tok.all_special_ids)) | (attn == 0)
+    gen = torch.Generator().manual_seed(0)
+    e_ids, e_ch = mask_tokens(ids, special, 0.15, gen, tok.mask_token_id, len(tok), 0.1, 0.1)
+    d_ids, d_ch = mask_tokens(ids, special, 0.6, gen, tok.mask_token_id, len(tok))
+    out = model(e_ids, attn, e_ch, ids, d_ids, d_ch, g)
+    assert out.pooled.shape == (5 * g, 64)
+    assert out.mlm_logits.shape == (int(e_ch.sum()), len(tok))
+    # 8 cross passes: related 1..4 filled from the anchor vector, the anchor filled from each related vector
+    n_cross = sum(int(d_ch[k * g: (k + 1) * g].sum()) for k in range(1, 5)) + 4 * int(d_ch[:g].sum())
+    assert out.cross_logits.shape == (n_cross, len(tok)) and out.cross_labels.shape == (n_cross,)
+    assert out.self_logits.shape == out.self_teacher.shape == (int(d_ch[: 2 * g].sum()), len(tok))
+    # the sentence vectors are mining's: mean pooling of the encoder (here of the masked passes)
+    from operators.embed import mean_pool
+    with torch.no_grad():
+        hidden = encoder(input_ids=e_ids, attention_mask=attn).last_hidden_state
+    assert torch.allclose(out.pooled, mean_pool(hidden, attn), atol=1e-5)
+
+
+def test_random_positives_through_ray_data(tiny_groups):
+    import ray.data  # Ray is up: mining the tiny groups started it (or found the session's)
+
+    ds = ray.data.read_parquet(str(tiny_groups / "groups"))
+    rows = ds.groupby("doc_id", num_partitions=2).map_groups(lambda b: random_positives(b, 0),
+                                                            batch_format="pyarrow").take_all()
+    assert len(rows) == ds.count()
+    assert all(r["positive_text"] != r["anchor_text"] for r in rows)
+
+
+@pytest.mark.parametrize("case", ["missing", "no-success", "wrong-schema", "too-few", "bad-positives"])
+def test_train_bad_input_is_one_line(case, tmp_path, tiny_groups):
+    groups = tmp_path / "run"
+    extra = []
+    if case == "missing":
+        expected = "does not exist"
+    elif case == "no-success":
+        (groups / "groups").mkdir(parents=True)
+        pq.write_table(pq.read_table(next((tiny_groups / "groups").glob("*.parquet"))), groups / "groups" / "part-00000.parquet")
+        expected = "no _SUCCESS marker"
+    elif case == "wrong-schema":
+        (groups / "groups").mkdir(parents=True)
+        (groups / "_SUCCESS").write_text("x\n")
+        pq.write_table(pa.table({"doc_id": ["a"], "text": ["b"]}), groups / "groups" / "part-00000.parquet")
+        expected = "has no column 'group_id'"
+    elif case == "too-few":
+        groups = tiny_groups
+        extra = ["--set", "train.batch_size=100000"]
+        expected = "too few for one batch of train.batch_size = 100000"
+    else:
+        groups = tiny_groups
+        extra = ["--positives", "spans"]
+        expected = "invalid choice: 'spans'"
+    proc = subprocess.run(_cli("train", "--groups", str(groups), "--output", str(tmp_path / "out"), *extra),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
