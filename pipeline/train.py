@@ -276,21 +276,106 @@ def _export(model, tokenizer, output: str) -> str:
     return target
 
 
+def encode_batch(tokenizer, batch: dict, cfg: TrainConfig, step: int, rank: int) -> dict:
+    """Tokenise a batch of groups on the worker and mask it (seeded by seed, step and rank).
+
+    Returns:
+        ids, attn (P * g, seq) passage-major (anchors, positives, related passages 2..R), enc_ids/enc_chosen (15%,
+        BERT 80/10/10), dec_ids/dec_chosen (60%, plain [MASK]), g (groups), doc_ids (g,) hashed document ids.
+    """
+    import torch
+
+    from pipeline.xprt import doc_hash, mask_tokens
+
+    lo = cfg.loss
+    g = len(batch["anchor_text"])
+    positives = batch["positive_text"] if "positive_text" in batch else [r[0] for r in batch["related_texts"]]
+    related = [list(r) for r in batch["related_texts"]]
+    if any(len(r) != len(related[0]) for r in related):
+        raise ValueError("groups in one batch have different numbers of related passages")
+    # passage-major: anchors, positives, then related passages 2..R (s1 itself is the xPRT positive)
+    texts = list(batch["anchor_text"]) + list(positives) + [r[k] for k in range(1, len(related[0])) for r in related]
+    prefix = cfg.resolved_prefix()
+    enc = tokenizer([prefix + t for t in texts], padding=True, truncation=True, max_length=cfg.train.max_length,
+                    return_tensors="pt")
+    ids, attn = enc["input_ids"], enc["attention_mask"]  # (P * g, seq)
+    special = torch.isin(ids, torch.tensor(tokenizer.all_special_ids)) | (attn == 0)  # (P * g, seq)
+    gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step * 1009 + rank)
+    enc_ids, enc_chosen = mask_tokens(ids, special, lo.encoder_mask_rate, gen, tokenizer.mask_token_id, len(tokenizer),
+                                      0.1, 0.1)
+    dec_ids, dec_chosen = mask_tokens(ids, special, lo.decoder_mask_rate, gen, tokenizer.mask_token_id, len(tokenizer))
+    return {"ids": ids, "attn": attn, "enc_ids": enc_ids, "enc_chosen": enc_chosen, "dec_ids": dec_ids,
+            "dec_chosen": dec_chosen, "g": g,
+            "doc_ids": torch.tensor([doc_hash(d) for d in batch["doc_id"]])}
+
+
+def xprt_step(model, frozen, tokenizer, batch: dict, cfg: TrainConfig, step: int, total: int, rank: int, world: int,
+              device, amp, optimizer, scheduler):
+    """One optimizer step of the xPRT objective on this worker's part of the global batch (the training job and
+    benchmarks/bench_train.py both run exactly this).
+
+    Returns:
+        (terms: dict of scalar tensors, retention weight, gradient norm, (anchors, positives, doc ids) gathered).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from operators.embed import mean_pool
+    from pipeline.xprt import (
+        gather_with_grad, info_nce_symmetric, masked_lm_loss, retention_kl, retention_weight, self_distillation_loss,
+        uniformity,
+    )
+
+    lo = cfg.loss
+    model.train()
+    b = encode_batch(tokenizer, batch, cfg, step, rank)
+    g = b["g"]
+    ids, attn, enc_ids, enc_chosen, dec_ids, dec_chosen, docs = (
+        b[k].to(device) for k in ("ids", "attn", "enc_ids", "enc_chosen", "dec_ids", "dec_chosen", "doc_ids"))
+    with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+        out = model(enc_ids, attn, enc_chosen, ids, dec_ids, dec_chosen, g)
+        with torch.no_grad():  # the frozen starting model, unmasked anchors and positives
+            hidden = frozen(input_ids=ids[: 2 * g], attention_mask=attn[: 2 * g]).last_hidden_state  # (2g, seq, dim)
+            frz = F.normalize(mean_pool(hidden, attn[: 2 * g]).float(), dim=-1)  # (2g, dim)
+    vec = F.normalize(out.pooled.float(), dim=-1)  # (P * g, dim)
+    a, p = gather_with_grad(vec[:g]), gather_with_grad(vec[g: 2 * g])  # (world * g, dim) each
+    fa, fp = gather_with_grad(frz[:g]), gather_with_grad(frz[g:])  # (world * g, dim) each, constants
+    all_docs = gather_with_grad(docs)  # (world * g,)
+    w_ret = retention_weight(step, total, lo.retention_start, lo.retention_end)
+    terms = {
+        "l_xp": info_nce_symmetric(a, p, all_docs, lo.tau, lo.mask_same_doc),
+        "l_unif": uniformity(a, lo.unif_t),
+        "l_retention": retention_kl(a, p, fa, fp, lo.retention_tau),
+        "l_cross": masked_lm_loss(out.cross_logits, out.cross_labels),
+        "l_self": self_distillation_loss(out.self_logits, out.self_teacher),
+        "l_mlm": masked_lm_loss(out.mlm_logits, ids[enc_chosen]),
+    }
+    global_part = lo.w_xp * terms["l_xp"] + lo.w_unif * terms["l_unif"] + w_ret * terms["l_retention"]
+    local_part = lo.w_cross * terms["l_cross"] + lo.w_self * terms["l_self"] + lo.w_mlm * terms["l_mlm"]
+    # DDP averages gradients over workers. Local terms: the average of per-worker means is the global mean.
+    # Global-batch terms are the same value on every worker, each backpropagating through its own rows only:
+    # scaling them by the world size makes the average equal to the full gradient.
+    optimizer.zero_grad(set_to_none=True)
+    (world * global_part + local_part).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
+    optimizer.step()
+    scheduler.step()
+    return terms, w_ret, grad_norm, (a.detach(), p.detach(), all_docs)
+
+
 def train_loop(config: dict) -> None:
     """Ray Train worker: the training loop (the same code on a laptop's CPU workers and a GPU cluster)."""
     import ray.train
     import ray.train.torch
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from pipeline.xprt import (
-        doc_hash, gather_with_grad, info_nce_symmetric, mask_tokens, masked_lm_loss, positive_probability,
-        retention_kl, retention_weight, self_distillation_loss, uniformity,
-    )
+    from pipeline.xprt import positive_probability
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from ray.train.v2._internal.execution import context as _ray_train_context
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
 
     # Ray Train logs every report() with all its metrics at INFO, per worker: our own line every 10 steps replaces it.
     logging.getLogger(_ray_train_context.__file__).setLevel(logging.WARNING)
@@ -325,74 +410,23 @@ def train_loop(config: dict) -> None:
     inner = model.module if hasattr(model, "module") else model
     start_step = step
     metrics_log = MetricsLog(output, step) if rank == 0 else None
-    prefix = cfg.resolved_prefix()
     shard = ray.train.get_dataset_shard("train")
     every = cfg.checkpoint.every_steps
-    special_ids = torch.tensor(sorted(set(tokenizer.all_special_ids)))
     t_last = time.time()
-    last_metrics: dict = {}
 
     while step < total:
         epoch = step // per_epoch
         todo = min(per_epoch - step % per_epoch, total - step)  # batches left in this epoch (fewer after a resume)
+        shuffle = cfg.train.shuffle_buffer
         batches = shard.iter_batches(batch_size=per_worker, drop_last=True, batch_format="numpy",
-                                     local_shuffle_buffer_size=cfg.train.shuffle_buffer or None,
-                                     local_shuffle_seed=cfg.train.seed + 1000 * epoch + rank if cfg.train.shuffle_buffer else None)
+                                     local_shuffle_buffer_size=shuffle or None,
+                                     local_shuffle_seed=cfg.train.seed + 1000 * epoch + rank if shuffle else None)
         done = 0
         for batch in batches:
-            if done == todo:
-                break
             done += 1
-            model.train()
+            terms, w_ret, grad_norm, (a, p, all_docs) = xprt_step(
+                model, frozen, tokenizer, batch, cfg, step, total, rank, world, device, amp, optimizer, scheduler)
             g = len(batch["anchor_text"])
-            positives = batch["positive_text"] if "positive_text" in batch else [r[0] for r in batch["related_texts"]]
-            related = [list(r) for r in batch["related_texts"]]
-            if any(len(r) != len(related[0]) for r in related):
-                raise ValueError("groups in one batch have different numbers of related passages")
-            # passage-major: anchors, positives, then related passages 2..R (s1 itself is the xPRT positive)
-            texts = list(batch["anchor_text"]) + list(positives) + [r[k] for k in range(1, len(related[0])) for r in related]
-            enc = tokenizer([prefix + t for t in texts], padding=True, truncation=True, max_length=cfg.train.max_length,
-                            return_tensors="pt")
-            ids, attn = enc["input_ids"], enc["attention_mask"]  # (P * g, seq)
-            special = torch.isin(ids, special_ids) | (attn == 0)  # (P * g, seq)
-            gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step * 1009 + rank)
-            enc_ids, enc_chosen = mask_tokens(ids, special, lo.encoder_mask_rate, gen, tokenizer.mask_token_id,
-                                              len(tokenizer), 0.1, 0.1)
-            dec_ids, dec_chosen = mask_tokens(ids, special, lo.decoder_mask_rate, gen, tokenizer.mask_token_id,
-                                              len(tokenizer))
-            docs = torch.tensor([doc_hash(d) for d in batch["doc_id"]], device=device)  # (g,)
-            ids, attn, enc_ids, enc_chosen, dec_ids, dec_chosen = (
-                t.to(device) for t in (ids, attn, enc_ids, enc_chosen, dec_ids, dec_chosen))
-
-            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-                out = model(enc_ids, attn, enc_chosen, ids, dec_ids, dec_chosen, g)
-                with torch.no_grad():  # the frozen starting model, unmasked anchors and positives
-                    hidden = frozen(input_ids=ids[: 2 * g], attention_mask=attn[: 2 * g]).last_hidden_state
-                    from operators.embed import mean_pool
-                    frz = F.normalize(mean_pool(hidden, attn[: 2 * g]).float(), dim=-1)  # (2g, dim)
-            vec = F.normalize(out.pooled.float(), dim=-1)  # (P * g, dim)
-            a, p = gather_with_grad(vec[:g]), gather_with_grad(vec[g: 2 * g])  # (world * g, dim) each
-            fa, fp = gather_with_grad(frz[:g]), gather_with_grad(frz[g:])  # (world * g, dim) each, constants
-            all_docs = gather_with_grad(docs)  # (world * g,)
-            w_ret = retention_weight(step, total, lo.retention_start, lo.retention_end)
-            terms = {
-                "l_xp": info_nce_symmetric(a, p, all_docs, lo.tau, lo.mask_same_doc),
-                "l_unif": uniformity(a, lo.unif_t),
-                "l_retention": retention_kl(a, p, fa, fp, lo.retention_tau),
-                "l_cross": masked_lm_loss(out.cross_logits, out.cross_labels),
-                "l_self": self_distillation_loss(out.self_logits, out.self_teacher),
-                "l_mlm": masked_lm_loss(out.mlm_logits, ids[enc_chosen]),
-            }
-            global_part = lo.w_xp * terms["l_xp"] + lo.w_unif * terms["l_unif"] + w_ret * terms["l_retention"]
-            local_part = lo.w_cross * terms["l_cross"] + lo.w_self * terms["l_self"] + lo.w_mlm * terms["l_mlm"]
-            # DDP averages gradients over workers. Local terms: the average of per-worker means is the global mean.
-            # Global-batch terms are the same value on every worker, each backpropagating through its own rows
-            # only: scaling them by the world size makes the average equal to the full gradient.
-            optimizer.zero_grad(set_to_none=True)
-            (world * global_part + local_part).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
-            optimizer.step()
-            scheduler.step()
             step += 1
 
             # report: local terms averaged over workers; global terms are already global
@@ -408,14 +442,12 @@ def train_loop(config: dict) -> None:
                                           + lo.w_self * metrics["l_self"] + lo.w_mlm * metrics["l_mlm"]), 6)
             metrics.update({
                 "step": step, "epoch": epoch, "start_step": start_step, "w_retention": round(w_ret, 6),
-                "p_positive": round(float(positive_probability(a.detach(), p.detach(), all_docs, lo.tau,
-                                                               lo.mask_same_doc)), 6),
+                "p_positive": round(float(positive_probability(a, p, all_docs, lo.tau, lo.mask_same_doc)), 6),
                 "lr": scheduler.get_last_lr()[0], "lr_new": scheduler.get_last_lr()[1],
                 "grad_norm": round(float(grad_norm), 6), "groups": g * world,
                 "groups_per_s": round(g * world / max(now - t_last, 1e-9), 3), "time": round(now, 3),
             })
             t_last = now
-            last_metrics = metrics
             save = step == total or (every > 0 and step % every == 0)
             if rank == 0:
                 metrics_log.add(metrics)
@@ -434,7 +466,7 @@ def train_loop(config: dict) -> None:
                     ray.train.report(metrics, checkpoint=None)
             else:
                 ray.train.report(metrics)
-            if step >= total:
+            if done == todo:
                 break
         if done < todo:
             raise RuntimeError(f"epoch {epoch} ended after {done} of {todo} batches: fewer groups than counted")
@@ -445,7 +477,6 @@ def train_loop(config: dict) -> None:
         log.info("exported the encoder and tokenizer to %s (step %d)", target, step)
     if world > 1:
         dist.barrier()
-    del last_metrics
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -474,6 +505,20 @@ def check_train_model(cfg: TrainConfig) -> None:
         AutoConfig.from_pretrained(cfg.train.model, trust_remote_code=cfg.train.trust_remote_code)
     except Exception as e:
         raise ConfigError(f"train.model = {cfg.train.model!r} cannot be loaded: {str(e).splitlines()[0]}") from None
+
+
+def storage_args(output: str) -> dict:
+    """Ray Train's storage for ``output``: the path itself, or for ``s3://`` with ``$AWS_ENDPOINT_URL`` set (an
+    S3-compatible server), a pyarrow S3FileSystem with that endpoint and the bucket path (pyarrow does not read
+    that variable itself; s3fs, used for everything else, does)."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+    if not output.startswith("s3://") or not endpoint:
+        return {"storage_path": output}
+    import pyarrow.fs
+
+    scheme = "http" if endpoint.startswith("http://") else "https"
+    fs = pyarrow.fs.S3FileSystem(endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme)
+    return {"storage_path": output[len("s3://"):], "storage_filesystem": fs}
 
 
 def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
@@ -568,7 +613,7 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=ray.train.RunConfig(
-            storage_path=output, name=cfg.checkpoint.name,
+            **storage_args(output), name=cfg.checkpoint.name,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
         ),

@@ -180,6 +180,18 @@ def test_model_passes_shapes_on_a_tiny_bert(tiny_model_dir):
     with torch.no_grad():
         hidden = encoder(input_ids=e_ids, attention_mask=attn).last_hidden_state
     assert torch.allclose(out.pooled, mean_pool(hidden, attn), atol=1e-5)
+    # retention is 0 when the model equals its frozen copy: no masking, no dropout, the copy on the same text
+    import copy
+
+    import torch.nn.functional as F
+
+    from pipeline.xprt import retention_kl
+    frozen = copy.deepcopy(encoder).eval()
+    no_mask = torch.zeros_like(e_ch)
+    with torch.no_grad():
+        cur = F.normalize(model(ids, attn, no_mask, ids, d_ids, d_ch, g).pooled, dim=-1)
+        frz = F.normalize(mean_pool(frozen(input_ids=ids, attention_mask=attn).last_hidden_state, attn), dim=-1)
+    assert retention_kl(cur[:g], cur[g:2 * g], frz[:g], frz[g:2 * g]).item() == pytest.approx(0.0, abs=1e-6)
 
 
 def test_random_positives_through_ray_data(tiny_groups):
