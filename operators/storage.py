@@ -143,9 +143,10 @@ class Storage:
         """Run ``fn()``; retry transient errors with bounded backoff, fail at once on any other.
 
         Raises:
-            FileNotFoundError / PermissionError: as raised (never retried).
-            StorageError: ``what`` failed on ``path``: any other OSError, or a transient error after ``attempts``
-                tries; the message names the path.
+            FileNotFoundError: as raised (never retried).
+            StorageError: ``what`` failed on ``path``: any other OSError (permission denied included) or error of
+                the S3 client (no credentials, ...), at once; a transient error after ``attempts`` tries. The
+                message names the path.
             Exception: errors that are not about storage (a missing column, a corrupt file) are re-raised as they
                 are, at once.
         """
@@ -153,7 +154,7 @@ class Storage:
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
-            except (FileNotFoundError, PermissionError, StorageError):
+            except (FileNotFoundError, StorageError):
                 raise
             except Exception as e:  # classified below: transient ones are retried, the rest fail at once
                 transient = is_transient(e)
@@ -165,7 +166,8 @@ class Storage:
                     time.sleep(sleep)
                     wait *= 2
                     continue
-                if transient or isinstance(e, OSError):
+                storage_side = type(e).__module__.split(".")[0] in ("botocore", "aiobotocore", "s3fs", "aiohttp")
+                if transient or isinstance(e, OSError) or storage_side:
                     detail = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                     tries = f" after {attempt} tries" if transient else ""
                     raise StorageError(f"{what} {path} failed{tries}: {detail}") from e
@@ -194,9 +196,21 @@ class Storage:
 
         self.retry("write", path, put)
 
-    def exists(self, path: str) -> bool:
+    def info(self, path: str) -> dict | None:
+        """fsspec info of ``path`` (``type`` is ``file`` or ``directory``), None when it does not exist. Unlike
+        ``fs.exists``/``fs.isfile``, which answer False when the store cannot be reached, errors are raised."""
         fs, p = self.fs(path)
-        return self.retry("check", path, lambda: fs.exists(p))
+
+        def info():
+            try:
+                return fs.info(p)
+            except FileNotFoundError:
+                return None
+
+        return self.retry("check", path, info)
+
+    def exists(self, path: str) -> bool:
+        return self.info(path) is not None
 
     def ls(self, path: str) -> list[str]:
         """Full paths (with the URL's protocol) of the entries directly under folder ``path``; [] if it is missing."""
@@ -204,7 +218,10 @@ class Storage:
 
         def listing():
             fs.invalidate_cache(p)
-            return fs.ls(p, detail=False) if fs.exists(p) else []
+            try:
+                return fs.ls(p, detail=False)
+            except FileNotFoundError:
+                return []
 
         return [self.url(path, q) for q in self.retry("list", path, listing)]
 
@@ -214,8 +231,10 @@ class Storage:
 
         def remove():
             fs.invalidate_cache(p)
-            if fs.exists(p):
+            try:
                 fs.rm(p, recursive=True)
+            except FileNotFoundError:
+                pass
 
         self.retry("remove", path, remove)
 

@@ -31,13 +31,18 @@ what it does:
   a group iff fewer than k random pool passages beat cos(anchor, s1)) -> write, on Ray Data, one row per document. Without --input it mines the 827-document sample that ships with pairmine. Without a cluster
   address (ray.address or $RAY_ADDRESS) it starts a local Ray on this machine.
 
-output (<output>/<run_id>/):
-  groups/part-NNNNN.parquet   training groups, one part per input shard (zstd)
+output (<output>/<run_id>/; <output> may be s3://bucket/prefix, endpoint and credentials from the AWS environment
+(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) or [storage]):
+  groups/part-NNNNN.parquet   training groups, one part per input shard (zstd), each committed on its own
   stats.json                  counts, drops by reason, the paper's figures, histograms
   manifest.json               resolved config, model, inputs, per-shard status, software versions
   tfidf.joblib                the TF-IDF vectorizer fitted on a seeded sample of the input
   dropped/part-NNNNN.parquet  groups the consistency filter dropped (with consistency.side_output=true)
   _SUCCESS                    written last: the run is complete
+  <output>/_latest.json       beside the runs: the most recently committed run (format 1)
+
+interrupted runs: run the same command with the same --run-id: committed shards are kept, the rest is mined.
+nightly: pairmine mine --incremental --input s3://corpus/shards/ --output s3://groups/runs/ --run-id nightly-$(date +%F)
 
 examples:
   pairmine mine
@@ -81,8 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--input", metavar="PATH", help="parquet or JSONL file, folder (recursive) or glob; local or "
                    "s3://. Default: the shipped sample (827 FineWeb-schema documents). Same as input.path")
-    m.add_argument("--output", metavar="DIR", help="folder that receives the run folder (default: ./runs). "
-                   "Same as output.path")
+    m.add_argument("--output", metavar="DIR", help="folder that receives the run folder (default: ./runs); local or "
+                   "s3://bucket/prefix. Same as output.path")
+    m.add_argument("--incremental", action="store_true", help="mine only the input shards that no committed run under "
+                   "--output has mined (same path, size and S3 ETag or content SHA-256); nothing new: no run. Same "
+                   "as input.incremental=true")
     _common_args(m)
     f = sub.add_parser(
         "filter-pairs",
@@ -145,9 +153,13 @@ def cmd_mine(args) -> int:
     from pipeline.mine import mine
 
     cfg = _load(args, ((args.input, "input.path"), (args.output, "output.path"), (args.run_id, "output.run_id"),
-                       (args.ray_address, "ray.address")))
+                       (args.ray_address, "ray.address"), (args.incremental or None, "input.incremental")))
     result = mine(cfg)
     s = result.stats
+    if result.run_dir is None:
+        print(f"nothing to mine: all {s['shards_in']} input shard(s) were mined by committed runs under "
+              f"{cfg.output.path} (no run folder written)")
+        return 0
     print(textwrap.dedent(f"""\
         run folder: {result.run_dir}
         documents: {s['docs_in']} in, {s['docs_with_groups']} with groups, {s['docs_without_groups']} without, {s['docs_skipped_total']} skipped
@@ -164,12 +176,14 @@ def user_error(e: BaseException) -> str | None:
     Errors raised inside Ray tasks arrive wrapped in a RayTaskError; their cause is unwrapped here so the user sees
     the message, not a remote traceback."""
     from operators.read import MissingColumnError
+    from operators.storage import StorageError
     from pipeline.config import ConfigError
     from pipeline.inputs import InputError
     from pipeline.mine import RunExistsError
 
     cause = getattr(e, "cause", None) or e
-    if isinstance(cause, (ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError)):
+    if isinstance(cause, (ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError,
+                          PermissionError, StorageError)):
         return str(cause)
     return None
 

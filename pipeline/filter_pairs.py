@@ -133,8 +133,7 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     run_id = cfg.output.run_id or new_run_id()
     storage = cfg.storage_layer()
     out = cfg.output.path.rstrip("/") or "."
-    fs, out_path = storage.fs(out)
-    if storage.retry("check", out, lambda: fs.isfile(out_path)):
+    if (storage.info(out) or {}).get("type") == "file":
         raise ConfigError(f"output.path = {cfg.output.path!r} is a file; it must be a folder (created if missing)")
     run_dir = f"{out}/{run_id}"
     if storage.exists(f"{run_dir}/{SUCCESS_MARKER}"):

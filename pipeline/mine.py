@@ -414,8 +414,7 @@ def mine(cfg: MineConfig) -> MineResult:
     t0 = time.time()
     storage = cfg.storage_layer()
     out = cfg.output.path.rstrip("/") or "."
-    fs, out_path = storage.fs(out)
-    if storage.retry("check", out, lambda: fs.isfile(out_path)):
+    if (storage.info(out) or {}).get("type") == "file":
         raise ConfigError(f"output.path = {cfg.output.path!r} is a file; it must be a folder (created if missing)")
     # Everything that can be checked cheaply is checked before Ray starts and before the run folder exists.
     shards = discover_shards(cfg.input.path, cfg.input.format, storage)

@@ -89,7 +89,15 @@ class Out:
         return self.storage.exists(self.path(*parts))
 
     def names(self, *parts: str) -> list[str]:
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.storage.ls(self.path(*parts)))
+        """Names directly under ``parts`` that hold at least one file (SeaweedFS keeps an emptied folder as a
+        prefix; on S3 a prefix exists only while objects are under it)."""
+        fs, root = self.storage.fs(self.path(*parts))
+        fs.invalidate_cache()
+        try:
+            files = fs.find(root)
+        except FileNotFoundError:
+            return []
+        return sorted({f[len(root):].strip("/").split("/", 1)[0] for f in files if f.startswith(root + "/")})
 
     def json(self, *parts: str):
         import json
