@@ -590,6 +590,10 @@ def mine(cfg: MineConfig) -> MineResult:
     write_json(storage, f"{run_dir}/manifest.json", manifest)
     storage.rm(staging)
     storage.rm(f"{run_dir}/{STATE_DIR}")
+    for folder in ("groups", "dropped"):  # temporary files of writes cut short by a kill (local disks only)
+        for path in storage.ls(f"{run_dir}/{folder}"):
+            if path.rsplit("/", 1)[-1].startswith(".") and ".tmp-" in path:
+                storage.rm(path)
     storage.write_bytes(f"{run_dir}/{SUCCESS_MARKER}", (run_id + "\n").encode())
     write_json(storage, f"{out}/{LATEST_POINTER}", {
         "format": 1, "run_id": run_id, "run_dir": run_dir, "groups": f"{run_dir}/groups/", "committed_utc": now,

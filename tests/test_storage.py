@@ -344,10 +344,15 @@ def test_output_reads_as_is_with_pyarrow_ray_data_and_pandas(s3_server, ray_loca
     from pipeline.mine import mine
 
     o = Out(f"s3://pairmine-test/readers-{time.time_ns()}", s3_server.endpoint)
-    cfg = load_config(overrides=[f"input.path={sample_dir}/000_*.parquet", *o.overrides, "output.run_id=r",
+    shard = sorted(sample_dir.glob("000_*.parquet"))[0]
+    o.storage.write_bytes(o.path("input", shard.name), shard.read_bytes())  # the input is on S3 too
+    cfg = load_config(overrides=[f"input.path={o.path('input')}/", *o.overrides, "output.run_id=r",
                                  f"embed.model={tiny_model_dir}", "anchors.threshold=0.99",
                                  "consistency.enabled=false"])
     n = mine(cfg).stats["groups"]
+    inputs = o.json("r", "manifest.json")["inputs"]
+    assert [i["path"] for i in inputs] == [o.path("input", shard.name)]
+    assert inputs[0]["fingerprint"].startswith("etag:") and inputs[0]["size"] == shard.stat().st_size
     fs, strip = o.filesystem()
     t = pads.dataset(strip(o.path("r", "groups")), format="parquet", filesystem=fs).to_table()
     assert t.num_rows == n > 0 and t.schema.equals(GROUP_SCHEMA)
