@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--pool", metavar="PATH", help="documents (parquet/JSONL with text and id) to draw the pool from, "
                    "chunked like pairmine mine's input (default: the pairs' own passages). Same as consistency.pool_path")
     _common_args(f)
+    add_eval_commands(sub)
     return parser
 
 
@@ -170,6 +171,136 @@ def cmd_mine(args) -> int:
     return 0
 
 
+# ---- evaluation: eval, compare --------------------------------------------------------------------------------------
+
+EVAL_EPILOG = """\
+metrics (per query, then the mean over the evaluated queries; computed by trec_eval via pytrec_eval):
+  nDCG@10      trec_eval ndcg_cut_10 (graded gain, log2 discount)
+  Recall@100   trec_eval recall_100
+  MRR@10       trec_eval recip_rank on each query's top 10 (trec_eval -M 10)
+  Spearman     (--sts) rank correlation of cos(sentence1, sentence2) with the gold 0-5 score
+
+output (--output DIR, default evals/<UTC time>-<suffix>/):
+  summary.json     means, counts, skipped lines by reason, timings, model and prefixes
+  per_query.json   every query's nDCG@10, Recall@100 and MRR@10: the input of pairmine compare
+
+examples:
+  pairmine eval --beir data/fiqa-pairs-beir --output evals/minilm
+  pairmine eval --beir data/fiqa-pairs-beir --sts data/stsbenchmark/sts-test.csv --output evals/minilm
+  pairmine eval --model /models/e5-base-unsupervised --beir data/scifact --output evals/e5   # prefixes: query:/passage:
+  pairmine eval --model checkpoints/step-1000 --beir data/fiqa --query-prefix '' --set embed.batch_size=64
+"""
+
+COMPARE_EPILOG = """\
+reading the result (seed 004, chapter 8): both systems are scored on the same queries, so each query's difficulty
+cancels in its difference B - A. The interval is a paired percentile bootstrap of the mean difference (queries
+resampled with replacement); p is a two-sided paired randomisation (sign-flip) test. An interval that includes 0
+means this query set cannot tell the two apart; wins/ties/losses show whether a mean gain is broad or carried by a
+few queries.
+
+examples:
+  pairmine compare evals/minilm evals/minilm-trained
+  pairmine compare evals/a/per_query.json evals/b/per_query.json --metric ndcg@10 --output cmp.json
+"""
+
+def add_eval_commands(sub) -> None:
+    """Register eval and compare on the ``pairmine`` subparsers."""
+    raw = argparse.RawDescriptionHelpFormatter
+    e = sub.add_parser(
+        "eval", help="retrieval (BEIR) and STS evaluation of an encoder", formatter_class=raw, epilog=EVAL_EPILOG,
+        description="Evaluate an encoder with pairmine's own embedding code: BEIR-format retrieval (corpus.jsonl, "
+        "queries.jsonl, qrels/<split>.tsv) by exact search, nDCG@10, Recall@100 and MRR@10 per query and on average; "
+        "with --sts, Spearman correlation on an STS-B style file.")
+    e.add_argument("--model", metavar="PATH_OR_ID", help="local model folder or hub id (default: the mining job's "
+                   "default, all-MiniLM-L6-v2). Same as embed.model")
+    e.add_argument("--beir", metavar="DIR", help="BEIR folder with corpus.jsonl, queries.jsonl, qrels/<split>.tsv")
+    e.add_argument("--split", default="test", help="qrels file to use: qrels/<split>.tsv (default: test)")
+    e.add_argument("--sts", metavar="FILE", help="STS-B style tab-separated file (genre, file, year, id, score, "
+                   "sentence1, sentence2): adds Spearman correlation")
+    e.add_argument("--output", metavar="DIR", help="folder for summary.json and per_query.json (default: "
+                   "evals/<UTC time>-<suffix>); files there are replaced")
+    e.add_argument("--query-prefix", metavar="TEXT", help='text put before each query (default: "query: " for E5 '
+                   'model names, else ""). Same as embed.query_prefix')
+    e.add_argument("--passage-prefix", metavar="TEXT", help='text put before each document (default: "passage: " for '
+                   'E5 model names, else ""). Same as embed.passage_prefix')
+    e.add_argument("--config", metavar="FILE", help="TOML file; its [embed] table is used (see pairmine mine --help)")
+    e.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a config key, e.g. --set embed.batch_size=64 --set embed.max_length=512")
+    c = sub.add_parser(
+        "compare", help="paired per-query comparison of two eval results", formatter_class=raw, epilog=COMPARE_EPILOG,
+        description="Compare two `pairmine eval` results query by query (B - A): mean difference with a paired "
+        "bootstrap confidence interval, a paired randomisation test, and wins/ties/losses.")
+    c.add_argument("result_a", metavar="RESULT_A", help="eval output folder, or its per_query.json (the baseline, A)")
+    c.add_argument("result_b", metavar="RESULT_B", help="eval output folder, or its per_query.json (B)")
+    c.add_argument("--metric", action="append", help="metric to compare (repeatable; default: all of ndcg@10, "
+                   "recall@100, mrr@10)")
+    c.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples and randomisation-test "
+                   "permutations (default: 10000)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the resampling (default: 0)")
+    c.add_argument("--ci", type=float, default=0.95, help="confidence level of the interval (default: 0.95)")
+    c.add_argument("--common-only", action="store_true", help="compare on the queries both results hold (default: "
+                   "differing query sets are an error)")
+    c.add_argument("--output", metavar="FILE", help="also write the comparison as JSON")
+
+
+def _eval_config(args, flags):
+    """A MineConfig from --config/--set plus flags; unlike _load, an empty flag value ('' prefix) is kept."""
+    from pipeline.config import load_config
+
+    return load_config(args.config, list(args.overrides) + [f"{key}={v}" for v, key in flags if v is not None])
+
+
+def cmd_eval(args) -> int:
+    from pipeline.evaluate import METRICS, evaluate
+
+    cfg = _eval_config(args, ((args.model, "embed.model"), (args.query_prefix, "embed.query_prefix"),
+                              (args.passage_prefix, "embed.passage_prefix")))
+    res = evaluate(cfg, args.beir, args.sts, args.output or "", args.split)
+    s = res.summary
+    print(f"model: {s['model']} (query prefix {s['query_prefix']!r}, passage prefix {s['passage_prefix']!r})")
+    if "retrieval" in s:
+        r = s["retrieval"]
+        print(f"retrieval: {r['queries_evaluated']} queries, {r['documents']} documents ({r['dataset']}, {r['split']})")
+        print("  " + "  ".join(f"{m} {r['mean'][m]:.4f}" for m in METRICS))
+        if r["skipped"]["counts"]:
+            print("  skipped: " + ", ".join(f"{k} {v}" for k, v in r["skipped"]["counts"].items()))
+    if "sts" in s:
+        t = s["sts"]
+        print(f"sts: {t['pairs']} pairs, Spearman {t['spearman']:.4f} (x100: {100 * t['spearman']:.2f})")
+        if t["skipped"]["counts"]:
+            print("  skipped: " + ", ".join(f"{k} {v}" for k, v in t["skipped"]["counts"].items()))
+    print(f"results: {res.output_dir} ({s['seconds_total']:.1f} s)")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    import json
+
+    from pipeline.evaluate import compare_results, load_per_query, verdict
+
+    a, b = load_per_query(args.result_a), load_per_query(args.result_b)
+    comps, info = compare_results(a, b, args.metric, args.common_only, args.resamples, args.seed, args.ci)
+    print(f"A: {a['path']} ({a.get('model', '?')})\nB: {b['path']} ({b.get('model', '?')})")
+    print(f"queries: {info['queries_common']} compared (A {info['queries_a']}, B {info['queries_b']})")
+    for w in info["warnings"]:
+        print(f"warning: {w}")
+    pct = round(100 * args.ci)
+    print(f"{'metric':<11} {'A':>7} {'B':>7} {'B - A':>8} {f'{pct}% CI':>19} {'wins/ties/losses':>17} {'p':>7}")
+    for c in comps:
+        print(f"{c.metric:<11} {c.mean_a:7.4f} {c.mean_b:7.4f} {c.mean_diff:+8.4f} [{c.ci_low:+.4f}, {c.ci_high:+.4f}] "
+              f"{f'{c.wins}/{c.ties}/{c.losses}':>17} {c.p_value:7.4f}")
+    for c in comps:
+        print(f"{c.metric}: {verdict(c)}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"a": a["path"], "b": b["path"], **info, "resamples": args.resamples, "seed": args.seed,
+                       "comparisons": [c.__dict__ for c in comps]}, f, indent=1)
+    return 0
+
+
+EVAL_COMMANDS = {"eval": cmd_eval, "compare": cmd_compare}
+
+
 def user_error(e: BaseException) -> str | None:
     """The message to show for an error the user can fix (bad config, input, run id), or None for a bug.
 
@@ -178,12 +309,13 @@ def user_error(e: BaseException) -> str | None:
     from operators.read import MissingColumnError
     from operators.storage import StorageError
     from pipeline.config import ConfigError
+    from pipeline.evaluate import EvalInputError
     from pipeline.inputs import InputError
     from pipeline.mine import RunExistsError
 
     cause = getattr(e, "cause", None) or e
     if isinstance(cause, (ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError,
-                          PermissionError, StorageError)):
+                          PermissionError, StorageError, EvalInputError)):
         return str(cause)
     return None
 
@@ -203,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_mine(args)
         if args.command == "filter-pairs":
             return cmd_filter_pairs(args)
+        if args.command in EVAL_COMMANDS:
+            return EVAL_COMMANDS[args.command](args)
     except Exception as e:
         message = user_error(e)
         if message is None:
