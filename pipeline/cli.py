@@ -171,7 +171,7 @@ def cmd_mine(args) -> int:
     return 0
 
 
-# ---- evaluation: eval, compare --------------------------------------------------------------------------------------
+# ---- evaluation and inspection: eval, compare, report ---------------------------------------------------------------
 
 EVAL_EPILOG = """\
 metrics (per query, then the mean over the evaluated queries; computed by trec_eval via pytrec_eval):
@@ -203,8 +203,26 @@ examples:
   pairmine compare evals/a/per_query.json evals/b/per_query.json --metric ndcg@10 --output cmp.json
 """
 
+REPORT_EPILOG = """\
+output (--output DIR, default RUN/report/):
+  report.html          the page: the run's figures next to the paper's, the plots, example tables
+  centrality.png       centrality histogram with the anchor threshold
+  groups_per_doc.png   documents by number of groups
+  coverage.png         passages in a kept group vs never used; documents by outcome
+  n_above.png          the consistency filter's n_above histogram and keep rate
+
+Passages never used are not in the run's output: the report re-reads the sampled documents from the run's input,
+chunks them again (checked against the run's anchor and related texts) and embeds them again with the run's model
+for their centrality (--no-reembed skips that).
+Screenshot in headless Chromium: scripts/report_screenshot.sh RUN/report/report.html shot.png
+
+examples:
+  pairmine report runs/20261129T124700Z-a1b2c3
+  pairmine report runs/sample --examples 8 --seed 1 --output /tmp/sample-report
+"""
+
 def add_eval_commands(sub) -> None:
-    """Register eval and compare on the ``pairmine`` subparsers."""
+    """Register eval, compare and report on the ``pairmine`` subparsers."""
     raw = argparse.RawDescriptionHelpFormatter
     e = sub.add_parser(
         "eval", help="retrieval (BEIR) and STS evaluation of an encoder", formatter_class=raw, epilog=EVAL_EPILOG,
@@ -241,6 +259,21 @@ def add_eval_commands(sub) -> None:
     c.add_argument("--common-only", action="store_true", help="compare on the queries both results hold (default: "
                    "differing query sets are an error)")
     c.add_argument("--output", metavar="FILE", help="also write the comparison as JSON")
+    r = sub.add_parser(
+        "report", help="HTML page with plots and example groups of a mined run", formatter_class=raw,
+        epilog=REPORT_EPILOG,
+        description="Write a static HTML page with PNG plots (matplotlib) for a committed run folder: centrality "
+        "histogram with the threshold, groups per document, passage coverage, the consistency filter's n_above "
+        "histogram and keep rate, and example tables (like the paper's Table 5): anchors, related passages with "
+        "dense, TF-IDF and RRF scores, and the passages never used with their centrality.")
+    r.add_argument("run", metavar="RUN", help="run folder (<output>/<run_id> of pairmine mine), local")
+    r.add_argument("--output", metavar="DIR", help="folder for report.html and the PNGs (default: RUN/report)")
+    r.add_argument("--examples", type=int, default=5, help="documents with groups to show (default: 5)")
+    r.add_argument("--groups-per-doc", type=int, default=1,
+                   help="groups shown per document (default: 1, as in the paper's Table 5)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the document sample (default: 0)")
+    r.add_argument("--no-reembed", action="store_true", help="do not embed the sampled documents again (unused "
+                   "passages are then listed without their centrality)")
 
 
 def _eval_config(args, flags):
@@ -298,7 +331,17 @@ def cmd_compare(args) -> int:
     return 0
 
 
-EVAL_COMMANDS = {"eval": cmd_eval, "compare": cmd_compare}
+def cmd_report(args) -> int:
+    from pipeline.report import build_report
+
+    res = build_report(args.run, args.output or "", args.examples, args.seed, args.groups_per_doc, not args.no_reembed)
+    for n in res.notes:
+        print(f"note: {n}")
+    print(f"report: {res.html}\nplots: {', '.join(res.pngs)}")
+    return 0
+
+
+EVAL_COMMANDS = {"eval": cmd_eval, "compare": cmd_compare, "report": cmd_report}
 
 
 def user_error(e: BaseException) -> str | None:
