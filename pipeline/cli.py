@@ -171,7 +171,7 @@ def cmd_mine(args) -> int:
     return 0
 
 
-# ---- evaluation and inspection: eval, compare, report ---------------------------------------------------------------
+# ---- evaluation and inspection: eval, compare, report, calibrate ----------------------------------------------------
 
 EVAL_EPILOG = """\
 metrics (per query, then the mean over the evaluated queries; computed by trec_eval via pytrec_eval):
@@ -221,8 +221,23 @@ examples:
   pairmine report runs/sample --examples 8 --seed 1 --output /tmp/sample-report
 """
 
+CALIBRATE_EPILOG = """\
+what it prints: the centrality distribution of the sampled passages (quantiles and a histogram), a threshold sweep
+(anchors, groups per document, documents with groups, passage coverage; before the consistency filter), the
+proposed threshold, and example anchors just above it and excluded passages just below it.
+
+coverage = passages used as anchor or related passage / all passages, as stats.json's passage_coverage_pct
+(--coverage-basis eligible: only documents with enough passages for a group, as the default 0.675 was chosen).
+
+examples:
+  pairmine calibrate                                        # the shipped sample, the default model, 68% coverage
+  pairmine calibrate --input docs/ --model /models/e5-base-unsupervised --sample-docs 2000
+  pairmine calibrate --target-anchor-rate 50 --set chunk.max_words=200
+"""
+
+
 def add_eval_commands(sub) -> None:
-    """Register eval, compare and report on the ``pairmine`` subparsers."""
+    """Register eval, compare, report and calibrate on the ``pairmine`` subparsers."""
     raw = argparse.RawDescriptionHelpFormatter
     e = sub.add_parser(
         "eval", help="retrieval (BEIR) and STS evaluation of an encoder", formatter_class=raw, epilog=EVAL_EPILOG,
@@ -274,6 +289,30 @@ def add_eval_commands(sub) -> None:
     r.add_argument("--seed", type=int, default=0, help="seed of the document sample (default: 0)")
     r.add_argument("--no-reembed", action="store_true", help="do not embed the sampled documents again (unused "
                    "passages are then listed without their centrality)")
+    k = sub.add_parser(
+        "calibrate", help="propose an anchor threshold for a model and corpus", formatter_class=raw,
+        epilog=CALIBRATE_EPILOG,
+        description="Sample documents (seeded), chunk and embed them with the mine operators, print the centrality "
+        "distribution, and propose the anchor threshold that reaches a target passage coverage (default: the "
+        "paper's 68%) or anchor rate, with example passages on both sides of it.")
+    k.add_argument("--input", metavar="PATH", help="parquet/JSONL file, folder or glob (default: the shipped sample). "
+                   "Same as input.path")
+    k.add_argument("--model", metavar="PATH_OR_ID", help="model folder or hub id (default: all-MiniLM-L6-v2). Same "
+                   "as embed.model")
+    k.add_argument("--passage-prefix", metavar="TEXT", help='default: "passage: " for E5 model names, else ""')
+    k.add_argument("--sample-docs", type=int, default=1000, help="documents to sample (default: 1000)")
+    k.add_argument("--seed", type=int, default=0, help="seed of the sample (default: 0)")
+    target = k.add_mutually_exclusive_group()
+    target.add_argument("--target-coverage", type=float, default=68.0, metavar="PCT",
+                        help="passage coverage to reach, in %% (default: 68, the paper's figure)")
+    target.add_argument("--target-anchor-rate", type=float, metavar="PCT", help="%% of passages that should be anchors")
+    k.add_argument("--coverage-basis", choices=("all", "eligible"), default="all",
+                   help="all: over all passages, as stats.json (default); eligible: over documents with enough "
+                   "passages for a group")
+    k.add_argument("--examples", type=int, default=5, help="example passages on each side of the threshold")
+    k.add_argument("--config", metavar="FILE", help="TOML file (chunk, embed, related sections are used)")
+    k.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a config key, e.g. --set chunk.max_words=200")
 
 
 def _eval_config(args, flags):
@@ -341,7 +380,18 @@ def cmd_report(args) -> int:
     return 0
 
 
-EVAL_COMMANDS = {"eval": cmd_eval, "compare": cmd_compare, "report": cmd_report}
+def cmd_calibrate(args) -> int:
+    from pipeline.calibrate import calibrate, format_calibration
+
+    cfg = _eval_config(args, ((args.input, "input.path"), (args.model, "embed.model"),
+                              (args.passage_prefix, "embed.passage_prefix")))
+    result = calibrate(cfg, args.sample_docs, args.seed, args.target_coverage, args.target_anchor_rate,
+                       args.coverage_basis, args.examples)
+    print(format_calibration(result))
+    return 0
+
+
+EVAL_COMMANDS = {"eval": cmd_eval, "compare": cmd_compare, "report": cmd_report, "calibrate": cmd_calibrate}
 
 
 def user_error(e: BaseException) -> str | None:
