@@ -67,21 +67,25 @@ class SweepRow:
     coverage_eligible_pct: float
 
 
-def sample_texts(path: str, text_column: str, id_column: str, sample_docs: int, seed: int, fmt: str = "auto"
-                 ) -> list[str]:
+def sample_texts(path: str, text_column: str, id_column: str, sample_docs: int, seed: int, fmt: str = "auto",
+                 storage=None) -> list[str]:
     """A seeded uniform sample of ``sample_docs`` usable documents of the input (all of them when it has fewer),
     drawn like the mining job's TF-IDF sample (``pipeline.inputs.scan_shard``: bottom-k of seeded priorities), so
     the same seed gives the same documents.
 
+    ``storage``: an ``operators.storage.Storage`` (endpoint, retries) for s3:// inputs; None: the default one.
+
     Raises:
-        FileNotFoundError, InputError, MissingColumnError: as ``pairmine mine`` for the same input.
+        FileNotFoundError, InputError, MissingColumnError, StorageError: as ``pairmine mine`` for the same input.
     """
+    from operators.storage import LOCAL
     from pipeline.inputs import check_parquet_shards, discover_shards, sample_cut, scan_shard, tfidf_sample
 
-    shards = discover_shards(path, fmt)
-    known_rows = check_parquet_shards(shards, (text_column, id_column))
+    storage = storage or LOCAL  # local paths, or s3:// with the standard AWS environment
+    shards = discover_shards(path, fmt, storage)
+    known_rows = check_parquet_shards(shards, (text_column, id_column), storage)
     cut = sample_cut(sample_docs, known_rows)
-    scans = [scan_shard(s, text_column, id_column, sample_docs, seed, cut) for s in shards]
+    scans = [scan_shard(s, text_column, id_column, sample_docs, seed, cut, storage=storage) for s in shards]
     return tfidf_sample(scans, sample_docs)
 
 
@@ -271,7 +275,8 @@ def calibrate(cfg, sample_docs: int = 1000, seed: int = 0, target_coverage_pct: 
         raise EvalInputError(f"the coverage basis must be one of {', '.join(BASES)}, got {basis!r}")
     if sample_docs < 1:
         raise EvalInputError(f"--sample-docs must be >= 1, got {sample_docs}")
-    texts = sample_texts(cfg.input.path, cfg.input.text_column, cfg.input.id_column, sample_docs, seed, cfg.input.format)
+    texts = sample_texts(cfg.input.path, cfg.input.text_column, cfg.input.id_column, sample_docs, seed, cfg.input.format,
+                         cfg.storage_layer())
     check_model(cfg)
     docs = embed_documents(texts, cfg)
     cents = np.concatenate([d.centrality for d in docs]) if docs else np.zeros(0)

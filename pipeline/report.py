@@ -30,7 +30,8 @@ log = logging.getLogger("pairmine")
 # The paper's figures on FineWeb with E5 (seed 000): % documents with groups, groups per document, % passages covered.
 PAPER = {"docs_with_groups_pct": 99.0, "groups_per_doc": 7.0, "passage_coverage_pct": 68.0}
 PLOTS = ("centrality.png", "groups_per_doc.png", "coverage.png", "n_above.png")
-TEXT_CHARS = 320  # passage characters shown in the tables (the full text is in the cell's title)
+TEXT_CHARS = 320
+_CREDENTIALS = ("access_key_id", "secret_access_key", "session_token")  # passage characters shown in the tables (the full text is in the cell's title)
 
 
 @dataclass
@@ -65,6 +66,8 @@ def _config(manifest: dict):
     try:
         for section, values in manifest.get("config", {}).items():
             for key, value in values.items():
+                if section == "storage" and key in _CREDENTIALS:
+                    continue  # redacted in the manifest: the environment (or the defaults) provide them
                 cfg.set(f"{section}.{key}", value)
     except ConfigError as e:
         raise EvalInputError(f"the run's manifest.json holds a config this pairmine cannot read: {e}") from None
@@ -190,7 +193,7 @@ def _read_groups(run: Path) -> list[tuple[int, "object"]]:
     return [(int(p.stem.split("-")[1]), pq.read_table(p)) for p in parts]
 
 
-def _find_texts(shard: dict, id_column: str, text_column: str, ids: set[str]) -> dict[str, str]:
+def _find_texts(shard: dict, id_column: str, text_column: str, ids: set[str], storage) -> dict[str, str]:
     """The text of each of ``ids`` in one input shard (first occurrence, like the read stage)."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -200,7 +203,7 @@ def _find_texts(shard: dict, id_column: str, text_column: str, ids: set[str]) ->
 
     found: dict[str, str] = {}
     if shard["format"] == "parquet":
-        with open_input(shard["path"]) as f:
+        with open_input(shard["path"], storage) as f:
             t = pq.read_table(f, columns=[id_column, text_column])
         id_col = pc.cast(t.column(id_column), pa.string())
         mask = pc.is_in(id_col, value_set=pa.array(sorted(ids), pa.string()))
@@ -208,7 +211,7 @@ def _find_texts(shard: dict, id_column: str, text_column: str, ids: set[str]) ->
         for i, text in zip(pc.cast(rows.column(id_column), pa.string()).to_pylist(), rows.column(text_column).to_pylist()):
             found.setdefault(i, text)
     else:
-        records, _ = read_jsonl_records(shard["path"])
+        records, _ = read_jsonl_records(shard["path"], storage)
         for r in records:
             if r is not None and r.get(id_column) is not None and str(r.get(id_column)) in ids:
                 found.setdefault(str(r[id_column]), r.get(text_column))
@@ -254,7 +257,8 @@ def sample_documents(run: Path, manifest: dict, examples: int, seed: int, groups
         shard = shards.get(shard_index)
         want = {d["doc_id"] for d in docs if d["shard"] == shard_index}
         try:
-            texts.update(_find_texts(shard, cfg.input.id_column, cfg.input.text_column, want) if shard else {})
+            texts.update(_find_texts(shard, cfg.input.id_column, cfg.input.text_column, want, cfg.storage_layer())
+                         if shard else {})
         except Exception as e:  # a moved/removed input: the page says so instead of failing
             notes.append(f"input shard {shard_index} ({shard['path'] if shard else '?'}) could not be read again "
                          f"({type(e).__name__}: {e}); its documents show their groups only")
