@@ -131,3 +131,19 @@ def out(request, tmp_path):
     server = request.getfixturevalue("s3_server")
     return Out(f"s3://pairmine-test/{request.node.name.replace('[', '-').rstrip(']')}-{uuid.uuid4().hex[:8]}",
                server.endpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tiny_model_dir, sample_dir):
+    """A committed run of the tiny model on one shard of the sample (207 documents), for report and calibrate.
+
+    fp32 and a threshold inside the tiny model's centrality range (its centralities are all ~0.99); consistency.k is
+    larger than the pool, so the filter runs (n_above is counted) but keeps every group."""
+    from pipeline.config import load_config
+    from pipeline.mine import mine
+
+    out = tmp_path_factory.mktemp("tiny-runs")
+    cfg = load_config(overrides=[f"input.path={sample_dir}/000_00000.parquet", f"output.path={out}",
+                                 "output.run_id=tiny", f"embed.model={tiny_model_dir}", "embed.dtype=float32",
+                                 "anchors.threshold=0.995", "consistency.k=100000"])
+    return out / "tiny", mine(cfg)
