@@ -226,8 +226,9 @@ what it prints: the centrality distribution of the sampled passages (quantiles a
 (anchors, groups per document, documents with groups, passage coverage; before the consistency filter), the
 proposed threshold, and example anchors just above it and excluded passages just below it.
 
-coverage = passages used as anchor or related passage / all passages, as stats.json's passage_coverage_pct
-(--coverage-basis eligible: only documents with enough passages for a group, as the default 0.675 was chosen).
+coverage = passages used as anchor or related passage / passages of the documents with enough passages for a group
+(the default, as the default 0.675 was chosen; --coverage-basis all: over all passages, as stats.json's
+passage_coverage_pct).
 
 examples:
   pairmine calibrate                                        # the shipped sample, the default model, 68% coverage
@@ -306,9 +307,10 @@ def add_eval_commands(sub) -> None:
     target.add_argument("--target-coverage", type=float, default=68.0, metavar="PCT",
                         help="passage coverage to reach, in %% (default: 68, the paper's figure)")
     target.add_argument("--target-anchor-rate", type=float, metavar="PCT", help="%% of passages that should be anchors")
-    k.add_argument("--coverage-basis", choices=("all", "eligible"), default="all",
-                   help="all: over all passages, as stats.json (default); eligible: over documents with enough "
-                   "passages for a group")
+    k.add_argument("--coverage-basis", choices=("all", "eligible"), default="eligible",
+                   help="eligible (default): over documents with enough passages for a group, the paper's setting "
+                   "(99%% of its documents yield groups) and the basis of the default 0.675; all: over all passages, "
+                   "as stats.json's passage_coverage_pct")
     k.add_argument("--examples", type=int, default=5, help="example passages on each side of the threshold")
     k.add_argument("--config", metavar="FILE", help="TOML file (chunk, embed, related sections are used)")
     k.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],

@@ -45,7 +45,7 @@ def test_proposal_by_hand():
     # Coverage by threshold: 1.0 -> 0%, 0.9 -> 62.5%, 0.8 -> 62.5%, 0.7 -> 75%. For 70%, 75% (|5|) beats 62.5%
     # (|7.5|): the threshold selects the passages >= float32(0.7) = 0.69999998..., written with 3 decimals as 0.699
     # (it must not exceed that float32 value, and must stay above the next centrality, 0.6).
-    p = propose_threshold(docs, target_coverage_pct=70)
+    p = propose_threshold(docs, target_coverage_pct=70, basis="all")
     assert p.threshold == 0.699 and p.coverage_pct == 75.0
     # Target 50% anchors: 4 of 8 = B's two, A's 0.9 and 0.8 -> threshold 0.8.
     p = propose_threshold(docs, target_anchor_rate_pct=50)
@@ -54,7 +54,7 @@ def test_proposal_by_hand():
     assert propose_threshold(docs, 90, basis="eligible").coverage_eligible_pct == 83.333
     assert shortest_threshold(0.6712, 0.6748) == 0.674
     with pytest.raises(ValueError, match="between 0 and 100"):
-        propose_threshold(docs, 140)
+        propose_threshold(docs, 140, basis="all")
 
 
 def test_calibrate_agrees_with_the_mined_run(tiny_run, tiny_model_dir, sample_dir):
@@ -81,7 +81,7 @@ def test_calibrate_agrees_with_the_mined_run(tiny_run, tiny_model_dir, sample_di
 def test_calibrate_on_the_sample_shard(tiny_model_dir, sample_dir):
     cfg = load_config(overrides=[f"input.path={sample_dir}/000_00000.parquet", f"embed.model={tiny_model_dir}",
                                  "embed.dtype=float32"])
-    c = calibrate(cfg, sample_docs=120, seed=1, target_coverage_pct=68.0, examples=4)
+    c = calibrate(cfg, sample_docs=120, seed=1, target_coverage_pct=68.0, examples=4, basis="all")
     assert c.docs == 120 and c.passages > 500
     # The proposal is the centrality whose coverage is nearest 68%: a step of one passage value, a few % at most.
     assert abs(c.proposal.coverage_pct - 68.0) < 3
