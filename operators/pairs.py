@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from operators.consistency import consistency_counts, doc_hash
 from operators.embed import Embedder
 from operators.read import INVALID_JSON, open_input, read_jsonl_records, require_columns, require_keys
+from operators.storage import LOCAL, Storage
 
 NULL_QUERY, EMPTY_QUERY, NULL_PASSAGE, EMPTY_PASSAGE = "null_query", "empty_query", "null_passage", "empty_passage"
 PAIR_SKIP_REASONS = (INVALID_JSON, NULL_QUERY, EMPTY_QUERY, NULL_PASSAGE, EMPTY_PASSAGE)
@@ -39,14 +40,15 @@ PAIR_SCHEMA = pa.schema(
 
 
 def read_pair_columns(path: str, fmt: str, row_group: int, query_column: str, passage_column: str,
-                      id_column: str) -> tuple[pa.Array, pa.Array, pa.Array | None, np.ndarray | None]:
+                      id_column: str, storage: Storage = LOCAL
+                      ) -> tuple[pa.Array, pa.Array, pa.Array | None, np.ndarray | None]:
     """(queries, passages, ids or None, invalid-line mask or None) of one work unit, as string arrays.
 
     Raises:
         MissingColumnError: the query or passage column is missing (parquet), or no JSONL record has it.
     """
     if fmt == "jsonl":
-        records, _ = read_jsonl_records(path)
+        records, _ = read_jsonl_records(path, storage)
         require_keys(path, records, (query_column, passage_column))
 
         def col(key):
@@ -54,12 +56,16 @@ def read_pair_columns(path: str, fmt: str, row_group: int, query_column: str, pa
 
         ids = col(id_column) if any(r is not None and id_column in r for r in records) else None
         return col(query_column), col(passage_column), ids, np.array([r is None for r in records], dtype=bool)
-    with open_input(path) as f:
-        pf = pq.ParquetFile(f)
-        names = pf.schema_arrow.names
-        require_columns(path, names, (query_column, passage_column))
-        cols = [query_column, passage_column] + ([id_column] if id_column in names else [])
-        table = pf.read_row_group(row_group, columns=cols) if row_group >= 0 else pf.read(columns=cols)
+
+    def read() -> pa.Table:
+        with open_input(path, storage) as f:
+            pf = pq.ParquetFile(f)
+            names = pf.schema_arrow.names
+            require_columns(path, names, (query_column, passage_column))
+            cols = [query_column, passage_column] + ([id_column] if id_column in names else [])
+            return pf.read_row_group(row_group, columns=cols) if row_group >= 0 else pf.read(columns=cols)
+
+    table = storage.retry("read", path, read)
     as_str = lambda a: pc.cast(a.combine_chunks(), pa.string())  # noqa: E731
     ids = as_str(table.column(id_column)) if id_column in table.column_names else None
     return as_str(table.column(query_column)), as_str(table.column(passage_column)), ids, None
@@ -82,14 +88,16 @@ class ReadPairs:
     """Read operator of filter-pairs: work units (``operators.read.UNIT_SCHEMA``) -> one row per pair with
     ``shard_index, row_index, pair_id`` (the id column, else "shard:row"), ``query, passage, skip_reason``."""
 
-    def __init__(self, query_column: str = "query", passage_column: str = "passage", id_column: str = "id"):
+    def __init__(self, query_column: str = "query", passage_column: str = "passage", id_column: str = "id",
+                 storage: Storage = LOCAL):
         self.query_column, self.passage_column, self.id_column = query_column, passage_column, id_column
+        self.storage = storage
 
     def __call__(self, units: pa.Table) -> pa.Table:
         tables = []
         for u in units.to_pylist():
             q, p, ids, invalid = read_pair_columns(u["path"], u["format"], u["row_group"], self.query_column,
-                                                   self.passage_column, self.id_column)
+                                                   self.passage_column, self.id_column, self.storage)
             rows = np.arange(u["row_offset"], u["row_offset"] + len(q), dtype=np.int64)
             fallback = pa.array([f"{u['shard_index']}:{r}" for r in rows.tolist()], pa.string())
             pair_ids = fallback if ids is None else pc.coalesce(ids, fallback)
@@ -165,14 +173,18 @@ class PairWriter:
     """Write operator of filter-pairs: stages kept pairs (and dropped ones with ``side_output``) per input shard and
     returns one row per batch with the batch's counts as JSON (``stats``)."""
 
-    def __init__(self, staging_dir: str, run_id: str, model: str, pool_size: int, k: int, side_output: bool = False):
+    def __init__(self, staging_dir: str, run_id: str, model: str, pool_size: int, k: int, side_output: bool = False,
+                 storage: Storage = LOCAL):
         self.staging_dir, self.run_id, self.model = staging_dir.rstrip("/"), run_id, model
-        self.pool_size, self.k, self.side_output = pool_size, k, side_output
+        self.pool_size, self.k, self.side_output, self.storage = pool_size, k, side_output, storage
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        import fsspec
-
-        from operators.write import N_ABOVE_BINS, STAGING_SORT_COLUMN, staging_name, write_table_atomic
+        from operators.write import (
+            N_ABOVE_BINS,
+            STAGING_SORT_COLUMN,
+            staging_name,
+            write_table_atomic,
+        )
 
         stats = Counter()
         reasons = batch.column("skip_reason").to_pylist()
@@ -186,7 +198,7 @@ class PairWriter:
         stats["pairs_dropped_consistency"] = int((usable & ~kept).sum())
         n = batch.column("n_above").to_numpy(zero_copy_only=False)
         hist = np.histogram(n[usable], bins=N_ABOVE_BINS)[0]
-        fs, root = fsspec.core.url_to_fs(self.staging_dir)
+        root = self.staging_dir
         staged = []
         for kind, mask in (("pairs", kept), ("dropped", usable & ~kept if self.side_output else np.zeros_like(kept))):
             part = batch.filter(pa.array(mask))
@@ -204,7 +216,7 @@ class PairWriter:
             for shard in np.unique(shards):
                 piece = table.filter(pa.array(shards == shard))
                 name = staging_name(int(shard), piece.column(STAGING_SORT_COLUMN).to_numpy())
-                write_table_atomic(fs, piece, f"{root}/{kind}/{name}")
+                write_table_atomic(self.storage, piece, f"{root}/{kind}/{name}")
                 staged.append(f"{kind}/{name}")
         stats["n_above_histogram"] = hist.tolist()
         return pa.table({"staged": pa.array([staged], pa.list_(pa.string())), "stats": [json.dumps(dict(stats))]})

@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from operators.storage import LOCAL, Storage
+
 # Skip reasons (the keys of stats.json's docs_skipped).
 NULL_ID = "null_id"
 NULL_TEXT = "null_text"
@@ -50,30 +52,38 @@ class MissingColumnError(ValueError):
     """An input shard lacks a required column (the message names the column, the file and the columns found)."""
 
 
-def open_input(path: str):
-    """Open ``path`` (local path or any fsspec URL such as ``s3://``) for binary reading."""
-    import fsspec
+def open_input(path: str, storage: Storage = LOCAL):
+    """Open ``path`` (local path or any fsspec URL such as ``s3://``) for binary reading. Call it inside
+    ``storage.retry(...)`` so that a transient error retries the whole read."""
+    fs, p = storage.fs(path)
+    return fs.open(p, "rb")
 
-    return fsspec.open(path, "rb").open()
 
-
-def read_jsonl_records(path: str) -> tuple[list[dict | None], int]:
-    """Parse a JSONL file line by line.
+def read_jsonl_records(path: str, storage: Storage = LOCAL) -> tuple[list[dict | None], int]:
+    """Parse a JSONL file line by line (the whole read is retried on transient storage errors).
 
     Returns:
         (records, n_invalid): one entry per non-blank line, None where the line is not a JSON object.
+
+    Raises:
+        StorageError: the file cannot be read (the message names it).
     """
-    records: list[dict | None] = []
-    with open_input(path) as f:
-        for raw in f:
-            line = raw.decode("utf-8", errors="replace").strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                rec = None
-            records.append(rec if isinstance(rec, dict) else None)
+
+    def parse() -> list[dict | None]:
+        records: list[dict | None] = []
+        with open_input(path, storage) as f:
+            for raw in f:
+                line = raw.decode("utf-8", errors="replace").strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    rec = None
+                records.append(rec if isinstance(rec, dict) else None)
+        return records
+
+    records = storage.retry("read", path, parse)
     return records, sum(r is None for r in records)
 
 
@@ -125,30 +135,37 @@ class ReadDocuments:
     Args:
         text_column, id_column: required input columns.
         url_column: optional input column passed through to the output (null when absent).
+        storage: the storage layer (object store options, retries of transient errors).
 
     Raises:
         MissingColumnError: when a parquet shard lacks the text or id column.
+        StorageError: a shard cannot be read (not transient, or still failing after the retries).
     """
 
-    def __init__(self, text_column: str = "text", id_column: str = "id", url_column: str = "url"):
+    def __init__(self, text_column: str = "text", id_column: str = "id", url_column: str = "url",
+                 storage: Storage = LOCAL):
         self.text_column, self.id_column, self.url_column = text_column, id_column, url_column
+        self.storage = storage
+
+    def _read_parquet_unit(self, path: str, row_group: int) -> pa.Table:
+        with open_input(path, self.storage) as f:
+            pf = pq.ParquetFile(f)
+            names = pf.schema_arrow.names
+            require_columns(path, names, (self.text_column, self.id_column))
+            cols = [self.text_column, self.id_column] + ([self.url_column] if self.url_column in names else [])
+            return pf.read_row_group(row_group, columns=cols) if row_group >= 0 else pf.read(columns=cols)
 
     def read_unit(self, unit: dict) -> pa.Table:
         path = unit["path"]
         if unit["format"] == "jsonl":
-            records, _ = read_jsonl_records(path)
+            records, _ = read_jsonl_records(path, self.storage)
             invalid = np.array([r is None for r in records], dtype=bool)
             get = lambda key: [None if r is None else r.get(key) for r in records]  # noqa: E731
             ids = _as_string(pa.array([None if v is None else str(v) for v in get(self.id_column)], pa.string()), self.id_column, path)
             texts = pa.array([v if v is None or isinstance(v, str) else str(v) for v in get(self.text_column)], pa.string())
             urls = pa.array([None if v is None else str(v) for v in get(self.url_column)], pa.string())
         else:
-            with open_input(path) as f:
-                pf = pq.ParquetFile(f)
-                names = pf.schema_arrow.names
-                require_columns(path, names, (self.text_column, self.id_column))
-                cols = [self.text_column, self.id_column] + ([self.url_column] if self.url_column in names else [])
-                table = pf.read_row_group(unit["row_group"], columns=cols) if unit["row_group"] >= 0 else pf.read(columns=cols)
+            table = self.storage.retry("read", path, lambda: self._read_parquet_unit(path, unit["row_group"]))
             invalid = None
             ids = _as_string(table.column(self.id_column), self.id_column, path)
             texts = _as_string(table.column(self.text_column), self.text_column, path)

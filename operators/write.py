@@ -1,22 +1,24 @@
 """Write stage: document rows -> training-group rows in parquet, plus the counts that make stats.json (SPEC
 "Write").
 
-Each batch's groups are written, per input shard, to a staging file named by the shard and the row range it covers
-(written under a temporary name, then renamed). After the Ray run, :func:`compact_shard` merges one shard's staging
-files into the shard's single, deterministically named part, sorted by (document row, anchor index). The operator
-returns one small row per batch with the batch's counts as JSON; the driver adds them up.
+Each batch's groups are written, per input shard, to a staging file named by the shard and the row set it covers
+(published atomically, see :mod:`operators.storage`). When every document of a shard has passed, the driver runs
+:func:`compact_shard`, which merges the shard's staging files into its single, deterministically named part, sorted
+by (document row, anchor index), with any row staged twice kept once. The operator returns one small row per
+(batch, shard) with that shard's counts as JSON; the driver adds them up per shard.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from collections import Counter
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from operators.storage import LOCAL, Storage
 
 # Output schema of a training group (one parquet row per group).
 GROUP_SCHEMA = pa.schema(
@@ -68,49 +70,55 @@ def staging_name(shard_index: int, rows: np.ndarray) -> str:
     return f"shard-{shard_index:05d}/rows-{rows[0]:012d}-{rows[-1]:012d}-{digest}.parquet"
 
 
-def write_table_atomic(fs, table: pa.Table, path: str) -> None:
-    """Write ``table`` as zstd parquet to ``path`` on fsspec filesystem ``fs``: first under a temporary name in the
-    same folder, then renamed, so readers never see a partial file."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(tmp, "wb") as f:
-        pq.write_table(table, f, compression="zstd")
-    fs.mv(tmp, path)
+def write_table_atomic(storage: Storage, table: pa.Table, path: str) -> None:
+    """Write ``table`` as zstd parquet to ``path`` (local or object store) so that readers never see a partial file
+    (:meth:`Storage.write_bytes`); transient storage errors are retried.
+
+    Raises:
+        StorageError: the write failed for good (the message names the path).
+    """
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    storage.write_bytes(path, sink.getvalue().to_pybytes())
+
+
+def read_table(storage: Storage, path: str) -> pa.Table:
+    """Read a whole parquet file (retried on transient storage errors)."""
+    import io
+
+    return pq.read_table(io.BytesIO(storage.read_bytes(path)))
 
 
 class GroupWriter:
     """Write operator. Input: document rows after the related stage (and the consistency filter, when it runs).
-    Output: one row per batch with columns ``staged`` (list<string>, staging files written) and ``stats`` (JSON of
-    this batch's counts).
+    Output: one row per (batch, input shard) with columns ``shard_index``, ``staged`` (list<string>, staging files
+    written) and ``stats`` (JSON of that shard's counts in this batch).
 
     Args:
-        staging_dir: folder (local path or fsspec URL) for staging files (``groups/`` and ``dropped/`` below it).
+        staging_dir: folder (local path or URL) for staging files (``groups/`` and ``dropped/`` below it).
         run_id: written on every group.
         model: model id written on every group.
         threshold: anchor threshold (for the anchors count).
         pool_size, k: the consistency filter's P and k, written on every group (None: the filter is off).
         side_output: also stage the groups the consistency filter dropped (for ``<run>/dropped/``).
+        storage: the storage layer (object store options, retries).
     """
 
     def __init__(self, staging_dir: str, run_id: str, model: str, threshold: float, pool_size: int | None = None,
-                 k: int | None = None, side_output: bool = False):
+                 k: int | None = None, side_output: bool = False, storage: Storage = LOCAL):
         self.staging_dir, self.run_id, self.model, self.threshold = staging_dir.rstrip("/"), run_id, model, threshold
-        self.pool_size, self.k, self.side_output = pool_size, k, side_output
+        self.pool_size, self.k, self.side_output, self.storage = pool_size, k, side_output, storage
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        import fsspec
-
-        stats = Counter()
-        cent_hist = np.zeros(len(CENTRALITY_BINS) - 1, dtype=np.int64)
-        gpd_hist = np.zeros(GROUPS_PER_DOC_MAX + 1, dtype=np.int64)
-        n_above_hist = np.zeros(len(N_ABOVE_BINS) - 1, dtype=np.int64)
+        per_shard: dict[int, _ShardCounts] = {}
         out = {"groups": _GroupRows(), "dropped": _GroupRows()}
-
         docs = batch.select(
             ["shard_index", "row_index", "id", "url", "skip_reason", "passages", "centrality", "groups", "no_group_reason",
              "n_short_passages", "n_truncated_passages"]
         ).to_pylist()
         for d in docs:
+            c = per_shard.setdefault(d["shard_index"], _ShardCounts())
+            stats = c.stats
             stats["docs_in"] += 1
             if d["skip_reason"] is not None:
                 stats[f"docs_skipped.{d['skip_reason']}"] += 1
@@ -122,14 +130,14 @@ class GroupWriter:
             stats["docs_truncated"] += d["n_truncated_passages"] > 0
             stats["anchors"] += int(np.count_nonzero(np.asarray(cent) >= self.threshold))
             if cent:
-                cent_hist += np.histogram(np.clip(cent, -1.0, 1.0), bins=CENTRALITY_BINS)[0]
+                c.cent_hist += np.histogram(np.clip(cent, -1.0, 1.0), bins=CENTRALITY_BINS)[0]
             stats["groups_mined"] += len(groups)
             if groups and "n_above" in groups[0]:
-                n_above_hist += np.histogram([g["n_above"] for g in groups], bins=N_ABOVE_BINS)[0]
+                c.n_above_hist += np.histogram([g["n_above"] for g in groups], bins=N_ABOVE_BINS)[0]
             kept = [g for g in groups if g.get("kept", True)]
             dropped = [g for g in groups if not g.get("kept", True)]
             stats["groups_dropped_consistency"] += len(dropped)
-            gpd_hist[min(len(kept), GROUPS_PER_DOC_MAX)] += 1
+            c.gpd_hist[min(len(kept), GROUPS_PER_DOC_MAX)] += 1
             if self.side_output:
                 for g in dropped:
                     out["dropped"].add(self, d, g)
@@ -147,14 +155,30 @@ class GroupWriter:
                 out["groups"].add(self, d, g)
             stats["passages_in_groups"] += len(used)
 
-        staged = []
-        fs, root = fsspec.core.url_to_fs(self.staging_dir)
+        staged: dict[int, list[str]] = {shard: [] for shard in per_shard}
         for kind, rows in out.items():
-            staged += rows.stage(fs, f"{root}/{kind}", kind)
-        stats["centrality_histogram"] = cent_hist.tolist()
-        stats["groups_per_doc_histogram"] = gpd_hist.tolist()
-        stats["n_above_histogram"] = n_above_hist.tolist()
-        return pa.table({"staged": pa.array([staged], pa.list_(pa.string())), "stats": [json.dumps(dict(stats))]})
+            for shard, name in rows.stage(self.storage, f"{self.staging_dir}/{kind}", kind):
+                staged[shard].append(name)
+        shards = sorted(per_shard)
+        return pa.table({
+            "shard_index": pa.array(shards, pa.int32()),
+            "staged": pa.array([staged[s] for s in shards], pa.list_(pa.string())),
+            "stats": [json.dumps(per_shard[s].as_dict()) for s in shards],
+        })
+
+
+class _ShardCounts:
+    """One shard's counts and histograms within one batch."""
+
+    def __init__(self):
+        self.stats: Counter = Counter()
+        self.cent_hist = np.zeros(len(CENTRALITY_BINS) - 1, dtype=np.int64)
+        self.gpd_hist = np.zeros(GROUPS_PER_DOC_MAX + 1, dtype=np.int64)
+        self.n_above_hist = np.zeros(len(N_ABOVE_BINS) - 1, dtype=np.int64)
+
+    def as_dict(self) -> dict:
+        return {**self.stats, "centrality_histogram": self.cent_hist.tolist(),
+                "groups_per_doc_histogram": self.gpd_hist.tolist(), "n_above_histogram": self.n_above_hist.tolist()}
 
 
 class _GroupRows:
@@ -177,7 +201,8 @@ class _GroupRows:
             c[name].append(value)
         self.shards.append(d["shard_index"])
 
-    def stage(self, fs, root: str, kind: str) -> list[str]:
+    def stage(self, storage: Storage, root: str, kind: str) -> list[tuple[int, str]]:
+        """Write one staging file per shard; returns (shard, name relative to the staging folder)."""
         if not self.shards:
             return []
         table = pa.Table.from_pydict(self.cols, schema=GROUP_SCHEMA.append(pa.field(STAGING_SORT_COLUMN, pa.int64())))
@@ -186,37 +211,44 @@ class _GroupRows:
         for shard in np.unique(shards):
             part = table.filter(pa.array(shards == shard))
             name = staging_name(int(shard), part.column(STAGING_SORT_COLUMN).to_numpy())
-            write_table_atomic(fs, part, f"{root}/{name}")
-            names.append(f"{kind}/{name}")
+            write_table_atomic(storage, part, f"{root}/{name}")
+            names.append((int(shard), f"{kind}/{name}"))
         return names
 
 
 def compact_shard(staging_dir: str, output_dir: str, shard_index: int, schema: pa.Schema = GROUP_SCHEMA,
-                  sort_keys: tuple[str, ...] = (STAGING_SORT_COLUMN, "anchor_index")) -> tuple[str, int]:
+                  sort_keys: tuple[str, ...] = (STAGING_SORT_COLUMN, "anchor_index"),
+                  storage: Storage = LOCAL) -> tuple[str, int, int]:
     """Merge the staging files of one input shard into its single part ``part-{shard:05d}.parquet``.
 
     Rows are sorted by ``sort_keys`` (for groups: document row, anchor index), so the part's content does not depend
-    on how Ray batched the rows. A shard with no rows gets an empty part (``schema`` only), so every input shard has
-    exactly one part.
+    on how Ray batched the rows. A row staged twice (same ``sort_keys``: a retried task whose batch was cut
+    differently, or a late write of an interrupted attempt) is kept once. A shard with no rows gets an empty part
+    (``schema`` only), so every input shard has exactly one part. Staging files are only read, never removed here.
 
     Returns:
-        (path of the part, number of groups in it).
-    """
-    import fsspec
+        (path of the part, rows in it, duplicate rows left out).
 
-    fs, staging_root = fsspec.core.url_to_fs(staging_dir.rstrip("/"))
-    _, out_root = fsspec.core.url_to_fs(output_dir.rstrip("/"))
-    folder = f"{staging_root}/shard-{shard_index:05d}"
-    files = sorted(p for p in (fs.ls(folder, detail=False) if fs.exists(folder) else []) if p.endswith(".parquet"))
-    tables = []
-    for p in files:
-        with fs.open(p, "rb") as f:
-            tables.append(pq.read_table(f))
+    Raises:
+        StorageError: a staging file cannot be read or the part cannot be written.
+    """
+    folder = f"{staging_dir.rstrip('/')}/shard-{shard_index:05d}"
+    files = sorted(p for p in storage.ls(folder) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith("."))
+    tables = [read_table(storage, p) for p in files]
+    duplicates = 0
     if tables:
         table = pa.concat_tables(tables).sort_by([(key, "ascending") for key in sort_keys])
+        if table.num_rows > 1:
+            keys = [table.column(k).to_numpy() for k in sort_keys]
+            same = np.ones(table.num_rows - 1, dtype=bool)
+            for k in keys:
+                same &= k[1:] == k[:-1]
+            if same.any():
+                duplicates = int(same.sum())
+                table = table.filter(pa.array(np.concatenate([[True], ~same])))
         table = table.drop_columns([STAGING_SORT_COLUMN]).cast(schema)
     else:
         table = schema.empty_table()
-    path = f"{out_root}/{part_name(shard_index)}"
-    write_table_atomic(fs, table, path)
-    return path, table.num_rows
+    path = f"{output_dir.rstrip('/')}/{part_name(shard_index)}"
+    write_table_atomic(storage, table, path)
+    return path, table.num_rows, duplicates

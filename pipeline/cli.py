@@ -31,13 +31,18 @@ what it does:
   a group iff fewer than k random pool passages beat cos(anchor, s1)) -> write, on Ray Data, one row per document. Without --input it mines the 827-document sample that ships with pairmine. Without a cluster
   address (ray.address or $RAY_ADDRESS) it starts a local Ray on this machine.
 
-output (<output>/<run_id>/):
-  groups/part-NNNNN.parquet   training groups, one part per input shard (zstd)
+output (<output>/<run_id>/; <output> may be s3://bucket/prefix, endpoint and credentials from the AWS environment
+(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) or [storage]):
+  groups/part-NNNNN.parquet   training groups, one part per input shard (zstd), each committed on its own
   stats.json                  counts, drops by reason, the paper's figures, histograms
   manifest.json               resolved config, model, inputs, per-shard status, software versions
   tfidf.joblib                the TF-IDF vectorizer fitted on a seeded sample of the input
   dropped/part-NNNNN.parquet  groups the consistency filter dropped (with consistency.side_output=true)
   _SUCCESS                    written last: the run is complete
+  <output>/_latest.json       beside the runs: the most recently committed run (format 1)
+
+interrupted runs: run the same command with the same --run-id: committed shards are kept, the rest is mined.
+nightly: pairmine mine --incremental --input s3://corpus/shards/ --output s3://groups/runs/ --run-id nightly-$(date +%F)
 
 examples:
   pairmine mine
@@ -165,8 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--input", metavar="PATH", help="parquet or JSONL file, folder (recursive) or glob; local or "
                    "s3://. Default: the shipped sample (827 FineWeb-schema documents). Same as input.path")
-    m.add_argument("--output", metavar="DIR", help="folder that receives the run folder (default: ./runs). "
-                   "Same as output.path")
+    m.add_argument("--output", metavar="DIR", help="folder that receives the run folder (default: ./runs); local or "
+                   "s3://bucket/prefix. Same as output.path")
+    m.add_argument("--incremental", action="store_true", help="mine only the input shards that no committed run under "
+                   "--output has mined (same path, size and S3 ETag or content SHA-256); nothing new: no run. Same "
+                   "as input.incremental=true")
     _common_args(m)
     f = sub.add_parser(
         "filter-pairs",
@@ -188,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "chunked like pairmine mine's input (default: the pairs' own passages). Same as consistency.pool_path")
     _common_args(f)
     _add_train_parser(sub)
+    add_eval_commands(sub)
     return parser
 
 
@@ -230,9 +239,13 @@ def cmd_mine(args) -> int:
     from pipeline.mine import mine
 
     cfg = _load(args, ((args.input, "input.path"), (args.output, "output.path"), (args.run_id, "output.run_id"),
-                       (args.ray_address, "ray.address")))
+                       (args.ray_address, "ray.address"), (args.incremental or None, "input.incremental")))
     result = mine(cfg)
     s = result.stats
+    if result.run_dir is None:
+        print(f"nothing to mine: all {s['shards_in']} input shard(s) were mined by committed runs under "
+              f"{cfg.output.path} (no run folder written)")
+        return 0
     print(textwrap.dedent(f"""\
         run folder: {result.run_dir}
         documents: {s['docs_in']} in, {s['docs_with_groups']} with groups, {s['docs_without_groups']} without, {s['docs_skipped_total']} skipped
@@ -243,20 +256,247 @@ def cmd_mine(args) -> int:
     return 0
 
 
+# ---- evaluation and inspection: eval, compare, report, calibrate ----------------------------------------------------
+
+EVAL_EPILOG = """\
+metrics (per query, then the mean over the evaluated queries; computed by trec_eval via pytrec_eval):
+  nDCG@10      trec_eval ndcg_cut_10 (graded gain, log2 discount)
+  Recall@100   trec_eval recall_100
+  MRR@10       trec_eval recip_rank on each query's top 10 (trec_eval -M 10)
+  Spearman     (--sts) rank correlation of cos(sentence1, sentence2) with the gold 0-5 score
+
+output (--output DIR, default evals/<UTC time>-<suffix>/):
+  summary.json     means, counts, skipped lines by reason, timings, model and prefixes
+  per_query.json   every query's nDCG@10, Recall@100 and MRR@10: the input of pairmine compare
+
+examples:
+  pairmine eval --beir data/fiqa-pairs-beir --output evals/minilm
+  pairmine eval --beir data/fiqa-pairs-beir --sts data/stsbenchmark/sts-test.csv --output evals/minilm
+  pairmine eval --model /models/e5-base-unsupervised --beir data/scifact --output evals/e5   # prefixes: query:/passage:
+  pairmine eval --model checkpoints/step-1000 --beir data/fiqa --query-prefix '' --set embed.batch_size=64
+"""
+
+COMPARE_EPILOG = """\
+reading the result (seed 004, chapter 8): both systems are scored on the same queries, so each query's difficulty
+cancels in its difference B - A. The interval is a paired percentile bootstrap of the mean difference (queries
+resampled with replacement); p is a two-sided paired randomisation (sign-flip) test. An interval that includes 0
+means this query set cannot tell the two apart; wins/ties/losses show whether a mean gain is broad or carried by a
+few queries.
+
+examples:
+  pairmine compare evals/minilm evals/minilm-trained
+  pairmine compare evals/a/per_query.json evals/b/per_query.json --metric ndcg@10 --output cmp.json
+"""
+
+REPORT_EPILOG = """\
+output (--output DIR, default RUN/report/):
+  report.html          the page: the run's figures next to the paper's, the plots, example tables
+  centrality.png       centrality histogram with the anchor threshold
+  groups_per_doc.png   documents by number of groups
+  coverage.png         passages in a kept group vs never used; documents by outcome
+  n_above.png          the consistency filter's n_above histogram and keep rate
+
+Passages never used are not in the run's output: the report re-reads the sampled documents from the run's input,
+chunks them again (checked against the run's anchor and related texts) and embeds them again with the run's model
+for their centrality (--no-reembed skips that).
+Screenshot in headless Chromium: scripts/report_screenshot.sh RUN/report/report.html shot.png
+
+examples:
+  pairmine report runs/20261129T124700Z-a1b2c3
+  pairmine report runs/sample --examples 8 --seed 1 --output /tmp/sample-report
+"""
+
+CALIBRATE_EPILOG = """\
+what it prints: the centrality distribution of the sampled passages (quantiles and a histogram), a threshold sweep
+(anchors, groups per document, documents with groups, passage coverage; before the consistency filter), the
+proposed threshold, and example anchors just above it and excluded passages just below it.
+
+coverage = passages used as anchor or related passage / passages of the documents with enough passages for a group
+(the default, as the default 0.675 was chosen; --coverage-basis all: over all passages, as stats.json's
+passage_coverage_pct).
+
+examples:
+  pairmine calibrate                                        # the shipped sample, the default model, 68% coverage
+  pairmine calibrate --input docs/ --model /models/e5-base-unsupervised --sample-docs 2000
+  pairmine calibrate --target-anchor-rate 50 --set chunk.max_words=200
+"""
+
+
+def add_eval_commands(sub) -> None:
+    """Register eval, compare, report and calibrate on the ``pairmine`` subparsers."""
+    raw = argparse.RawDescriptionHelpFormatter
+    e = sub.add_parser(
+        "eval", help="retrieval (BEIR) and STS evaluation of an encoder", formatter_class=raw, epilog=EVAL_EPILOG,
+        description="Evaluate an encoder with pairmine's own embedding code: BEIR-format retrieval (corpus.jsonl, "
+        "queries.jsonl, qrels/<split>.tsv) by exact search, nDCG@10, Recall@100 and MRR@10 per query and on average; "
+        "with --sts, Spearman correlation on an STS-B style file.")
+    e.add_argument("--model", metavar="PATH_OR_ID", help="local model folder or hub id (default: the mining job's "
+                   "default, all-MiniLM-L6-v2). Same as embed.model")
+    e.add_argument("--beir", metavar="DIR", help="BEIR folder with corpus.jsonl, queries.jsonl, qrels/<split>.tsv")
+    e.add_argument("--split", default="test", help="qrels file to use: qrels/<split>.tsv (default: test)")
+    e.add_argument("--sts", metavar="FILE", help="STS-B style tab-separated file (genre, file, year, id, score, "
+                   "sentence1, sentence2): adds Spearman correlation")
+    e.add_argument("--output", metavar="DIR", help="folder for summary.json and per_query.json (default: "
+                   "evals/<UTC time>-<suffix>); files there are replaced")
+    e.add_argument("--query-prefix", metavar="TEXT", help='text put before each query (default: "query: " for E5 '
+                   'model names, else ""). Same as embed.query_prefix')
+    e.add_argument("--passage-prefix", metavar="TEXT", help='text put before each document (default: "passage: " for '
+                   'E5 model names, else ""). Same as embed.passage_prefix')
+    e.add_argument("--config", metavar="FILE", help="TOML file; its [embed] table is used (see pairmine mine --help)")
+    e.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a config key, e.g. --set embed.batch_size=64 --set embed.max_length=512")
+    c = sub.add_parser(
+        "compare", help="paired per-query comparison of two eval results", formatter_class=raw, epilog=COMPARE_EPILOG,
+        description="Compare two `pairmine eval` results query by query (B - A): mean difference with a paired "
+        "bootstrap confidence interval, a paired randomisation test, and wins/ties/losses.")
+    c.add_argument("result_a", metavar="RESULT_A", help="eval output folder, or its per_query.json (the baseline, A)")
+    c.add_argument("result_b", metavar="RESULT_B", help="eval output folder, or its per_query.json (B)")
+    c.add_argument("--metric", action="append", help="metric to compare (repeatable; default: all of ndcg@10, "
+                   "recall@100, mrr@10)")
+    c.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples and randomisation-test "
+                   "permutations (default: 10000)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the resampling (default: 0)")
+    c.add_argument("--ci", type=float, default=0.95, help="confidence level of the interval (default: 0.95)")
+    c.add_argument("--common-only", action="store_true", help="compare on the queries both results hold (default: "
+                   "differing query sets are an error)")
+    c.add_argument("--output", metavar="FILE", help="also write the comparison as JSON")
+    r = sub.add_parser(
+        "report", help="HTML page with plots and example groups of a mined run", formatter_class=raw,
+        epilog=REPORT_EPILOG,
+        description="Write a static HTML page with PNG plots (matplotlib) for a committed run folder: centrality "
+        "histogram with the threshold, groups per document, passage coverage, the consistency filter's n_above "
+        "histogram and keep rate, and example tables (like the paper's Table 5): anchors, related passages with "
+        "dense, TF-IDF and RRF scores, and the passages never used with their centrality.")
+    r.add_argument("run", metavar="RUN", help="run folder (<output>/<run_id> of pairmine mine), local")
+    r.add_argument("--output", metavar="DIR", help="folder for report.html and the PNGs (default: RUN/report)")
+    r.add_argument("--examples", type=int, default=5, help="documents with groups to show (default: 5)")
+    r.add_argument("--groups-per-doc", type=int, default=1,
+                   help="groups shown per document (default: 1, as in the paper's Table 5)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the document sample (default: 0)")
+    r.add_argument("--no-reembed", action="store_true", help="do not embed the sampled documents again (unused "
+                   "passages are then listed without their centrality)")
+    k = sub.add_parser(
+        "calibrate", help="propose an anchor threshold for a model and corpus", formatter_class=raw,
+        epilog=CALIBRATE_EPILOG,
+        description="Sample documents (seeded), chunk and embed them with the mine operators, print the centrality "
+        "distribution, and propose the anchor threshold that reaches a target passage coverage (default: the "
+        "paper's 68%) or anchor rate, with example passages on both sides of it.")
+    k.add_argument("--input", metavar="PATH", help="parquet/JSONL file, folder or glob (default: the shipped sample). "
+                   "Same as input.path")
+    k.add_argument("--model", metavar="PATH_OR_ID", help="model folder or hub id (default: all-MiniLM-L6-v2). Same "
+                   "as embed.model")
+    k.add_argument("--passage-prefix", metavar="TEXT", help='default: "passage: " for E5 model names, else ""')
+    k.add_argument("--sample-docs", type=int, default=1000, help="documents to sample (default: 1000)")
+    k.add_argument("--seed", type=int, default=0, help="seed of the sample (default: 0)")
+    target = k.add_mutually_exclusive_group()
+    target.add_argument("--target-coverage", type=float, default=68.0, metavar="PCT",
+                        help="passage coverage to reach, in %% (default: 68, the paper's figure)")
+    target.add_argument("--target-anchor-rate", type=float, metavar="PCT", help="%% of passages that should be anchors")
+    k.add_argument("--coverage-basis", choices=("all", "eligible"), default="eligible",
+                   help="eligible (default): over documents with enough passages for a group, the paper's setting "
+                   "(99%% of its documents yield groups) and the basis of the default 0.675; all: over all passages, "
+                   "as stats.json's passage_coverage_pct")
+    k.add_argument("--examples", type=int, default=5, help="example passages on each side of the threshold")
+    k.add_argument("--config", metavar="FILE", help="TOML file (chunk, embed, related sections are used)")
+    k.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a config key, e.g. --set chunk.max_words=200")
+
+
+def _eval_config(args, flags):
+    """A MineConfig from --config/--set plus flags; unlike _load, an empty flag value ('' prefix) is kept."""
+    from pipeline.config import load_config
+
+    return load_config(args.config, list(args.overrides) + [f"{key}={v}" for v, key in flags if v is not None])
+
+
+def cmd_eval(args) -> int:
+    from pipeline.evaluate import METRICS, evaluate
+
+    cfg = _eval_config(args, ((args.model, "embed.model"), (args.query_prefix, "embed.query_prefix"),
+                              (args.passage_prefix, "embed.passage_prefix")))
+    res = evaluate(cfg, args.beir, args.sts, args.output or "", args.split)
+    s = res.summary
+    print(f"model: {s['model']} (query prefix {s['query_prefix']!r}, passage prefix {s['passage_prefix']!r})")
+    if "retrieval" in s:
+        r = s["retrieval"]
+        print(f"retrieval: {r['queries_evaluated']} queries, {r['documents']} documents ({r['dataset']}, {r['split']})")
+        print("  " + "  ".join(f"{m} {r['mean'][m]:.4f}" for m in METRICS))
+        if r["skipped"]["counts"]:
+            print("  skipped: " + ", ".join(f"{k} {v}" for k, v in r["skipped"]["counts"].items()))
+    if "sts" in s:
+        t = s["sts"]
+        print(f"sts: {t['pairs']} pairs, Spearman {t['spearman']:.4f} (x100: {100 * t['spearman']:.2f})")
+        if t["skipped"]["counts"]:
+            print("  skipped: " + ", ".join(f"{k} {v}" for k, v in t["skipped"]["counts"].items()))
+    print(f"results: {res.output_dir} ({s['seconds_total']:.1f} s)")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    import json
+
+    from pipeline.evaluate import compare_results, load_per_query, verdict
+
+    a, b = load_per_query(args.result_a), load_per_query(args.result_b)
+    comps, info = compare_results(a, b, args.metric, args.common_only, args.resamples, args.seed, args.ci)
+    print(f"A: {a['path']} ({a.get('model', '?')})\nB: {b['path']} ({b.get('model', '?')})")
+    print(f"queries: {info['queries_common']} compared (A {info['queries_a']}, B {info['queries_b']})")
+    for w in info["warnings"]:
+        print(f"warning: {w}")
+    pct = round(100 * args.ci)
+    print(f"{'metric':<11} {'A':>7} {'B':>7} {'B - A':>8} {f'{pct}% CI':>19} {'wins/ties/losses':>17} {'p':>7}")
+    for c in comps:
+        print(f"{c.metric:<11} {c.mean_a:7.4f} {c.mean_b:7.4f} {c.mean_diff:+8.4f} [{c.ci_low:+.4f}, {c.ci_high:+.4f}] "
+              f"{f'{c.wins}/{c.ties}/{c.losses}':>17} {c.p_value:7.4f}")
+    for c in comps:
+        print(f"{c.metric}: {verdict(c)}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"a": a["path"], "b": b["path"], **info, "resamples": args.resamples, "seed": args.seed,
+                       "comparisons": [c.__dict__ for c in comps]}, f, indent=1)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from pipeline.report import build_report
+
+    res = build_report(args.run, args.output or "", args.examples, args.seed, args.groups_per_doc, not args.no_reembed)
+    for n in res.notes:
+        print(f"note: {n}")
+    print(f"report: {res.html}\nplots: {', '.join(res.pngs)}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from pipeline.calibrate import calibrate, format_calibration
+
+    cfg = _eval_config(args, ((args.input, "input.path"), (args.model, "embed.model"),
+                              (args.passage_prefix, "embed.passage_prefix")))
+    result = calibrate(cfg, args.sample_docs, args.seed, args.target_coverage, args.target_anchor_rate,
+                       args.coverage_basis, args.examples)
+    print(format_calibration(result))
+    return 0
+
+
+EVAL_COMMANDS = {"eval": cmd_eval, "compare": cmd_compare, "report": cmd_report, "calibrate": cmd_calibrate}
+
+
 def user_error(e: BaseException) -> str | None:
     """The message to show for an error the user can fix (bad config, input, run id), or None for a bug.
 
     Errors raised inside Ray tasks arrive wrapped in a RayTaskError; their cause is unwrapped here so the user sees
     the message, not a remote traceback."""
     from operators.read import MissingColumnError
+    from operators.storage import StorageError
     from pipeline.config import ConfigError
+    from pipeline.evaluate import EvalInputError
     from pipeline.inputs import InputError
     from pipeline.mine import RunExistsError
     from pipeline.xprt_model import UnsupportedModelError
 
     cause = getattr(e, "cause", None) or e
     if isinstance(cause, (ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError,
-                          UnsupportedModelError)):
+                          PermissionError, StorageError, EvalInputError, UnsupportedModelError)):
         return str(cause)
     return None
 
@@ -278,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_filter_pairs(args)
         if args.command == "train":
             return cmd_train(args)
+        if args.command in EVAL_COMMANDS:
+            return EVAL_COMMANDS[args.command](args)
     except Exception as e:
         message = user_error(e)
         if message is None:

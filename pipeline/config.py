@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 # Anchor threshold for the default model (all-MiniLM-L6-v2), measured on the shipped sample with
 # benchmarks/threshold_sweep.py: the value at which the sample's eligible documents (>= 5 passages) come closest to
@@ -41,6 +42,8 @@ class InputConfig:
     pair_id_column: str = _f("id", "filter-pairs: column or key holding the pair id (absent: 'shard:row')")
     query_column: str = _f("query", "filter-pairs: column or key holding the query")
     passage_column: str = _f("passage", "filter-pairs: column or key holding the passage")
+    incremental: bool = _f(False, "mine only the input shards that no committed run under output.path has mined "
+                           "(a shard is known by its path and its S3 ETag or content SHA-256; --incremental)")
 
 
 @dataclass
@@ -106,6 +109,20 @@ class TfidfConfig:
 
 
 @dataclass
+class StorageConfig:
+    endpoint_url: str = _f("", "S3 endpoint for s3:// paths, e.g. http://127.0.0.1:8333; empty: $AWS_ENDPOINT_URL, else AWS")
+    region: str = _f("", "S3 region; empty: $AWS_DEFAULT_REGION / the AWS profile's")
+    access_key_id: str = _f("", "S3 access key id; empty: $AWS_ACCESS_KEY_ID / AWS_PROFILE (preferred: keep credentials "
+                           "out of config files). Never written to the manifest or logs")
+    secret_access_key: str = _f("", "S3 secret key; empty: $AWS_SECRET_ACCESS_KEY / AWS_PROFILE. Never written anywhere")
+    session_token: str = _f("", "S3 session token; empty: $AWS_SESSION_TOKEN. Never written anywhere")
+    attempts: int = _f(8, "tries of one storage operation when errors are transient (throttling, connection "
+                       "refused/reset, timeouts, 5xx); other errors fail at once")
+    backoff_s: float = _f(0.5, "first wait between tries, in seconds; doubles per try (with jitter) up to backoff_max_s")
+    backoff_max_s: float = _f(20.0, "longest wait between two tries, in seconds (8 tries: about 75 s in all)")
+
+
+@dataclass
 class RayConfig:
     address: str = _f("", 'empty: $RAY_ADDRESS if set, else start a local Ray')
     num_cpus: int = _f(0, 'local Ray only; 0: all cores')
@@ -134,7 +151,10 @@ class Sections:
         setattr(sec, key, _coerce(dotted, value, ftype))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The resolved config as plain data, credentials replaced by "***" (this goes into every manifest)."""
+        from operators.storage import redact
+
+        return redact(dataclasses.asdict(self))
 
     def check(self, checks) -> None:
         """Raise ConfigError for the first failed ``(name, ok, allowed)`` check, naming the field and its value."""
@@ -153,6 +173,7 @@ class MineConfig(Sections):
     related: RelatedConfig = field(default_factory=RelatedConfig)
     consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
     tfidf: TfidfConfig = field(default_factory=TfidfConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
     # ---- resolution of "auto" values -------------------------------------------------------------------------
@@ -173,6 +194,14 @@ class MineConfig(Sections):
         if self.anchors.threshold is not None:
             return self.anchors.threshold
         return DEFAULT_MINILM_THRESHOLD if not self.embed.model else E5_THRESHOLD
+
+    def storage_layer(self):
+        """The :class:`operators.storage.Storage` of this config (endpoint, credentials, retry policy)."""
+        from operators.storage import Storage
+
+        s = self.storage
+        return Storage(s.endpoint_url, s.region, s.access_key_id, s.secret_access_key, s.session_token, s.attempts,
+                       s.backoff_s, s.backoff_max_s)
 
     def validate(self) -> "MineConfig":
         """Check ranges and choices. Raises ConfigError naming the field."""
@@ -201,6 +230,9 @@ class MineConfig(Sections):
             ("consistency.num_actors", self.consistency.num_actors >= 0, ">= 0"),
             ("tfidf.sample_docs", self.tfidf.sample_docs >= 1, ">= 1"),
             ("tfidf.max_features", self.tfidf.max_features >= 1, ">= 1"),
+            ("storage.attempts", self.storage.attempts >= 1, ">= 1 (1: no retry)"),
+            ("storage.backoff_s", self.storage.backoff_s >= 0, ">= 0"),
+            ("storage.backoff_max_s", self.storage.backoff_max_s >= self.storage.backoff_s, ">= storage.backoff_s"),
             ("ray.num_cpus", self.ray.num_cpus >= 0, ">= 0"),
             ("ray.docs_per_batch", self.ray.docs_per_batch >= 1, ">= 1"),
             ("ray.target_block_mb", self.ray.target_block_mb > 0, "> 0"),

@@ -26,10 +26,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import ConfigError, MineConfig
-from pipeline.inputs import PoolSpec, check_parquet_shards, discover_shards, pool_sample, scan_shard
+from pipeline.inputs import (
+    PoolSpec, check_parquet_shards, discover_shards, pool_sample, scan_shard,
+)
 from pipeline.mine import (
-    GPU_SHARE_EMBED, SUCCESS_MARKER, MineResult, Progress, RunExistsError, _load_pool, _versions, _write_json, check_model, embed_pool,
-    merge_stats, model_id, new_run_id,
+    GPU_SHARE_EMBED, SUCCESS_MARKER, MineResult, Progress, RunExistsError, _load_pool, _shard_dict, _versions,
+    check_model, embed_pool, merge_stats, model_id, new_run_id, write_json,
 )
 from pipeline.ray_adapter import (
     Stage, apply_stage, cluster_cpus_per_node, cluster_gpus, configure_data, init_ray, run_remote,
@@ -47,17 +49,20 @@ def _plan_shard(shard, cfg: MineConfig, pool_size: int, seed: int) -> tuple[list
     from operators.pairs import pair_skip_reasons, read_pair_columns
     from operators.read import open_input
 
-    i = cfg.input
+    i, storage = cfg.input, cfg.storage_layer()
     if shard.format == "parquet":
-        with open_input(shard.path) as f:
-            meta = pq.ParquetFile(f).metadata
-            layout = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        def footer():
+            with open_input(shard.path, storage) as f:
+                meta = pq.ParquetFile(f).metadata
+                return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+        layout = storage.retry("read", shard.path, footer)
     else:
         layout = None
     if pool_size <= 0 and layout is not None:
         return layout, []
     q, p, _, invalid = read_pair_columns(shard.path, shard.format, -1, i.query_column, i.passage_column,
-                                         i.pair_id_column)
+                                         i.pair_id_column, storage)
     layout = layout or [len(q)]
     if pool_size <= 0:
         return layout, []
@@ -72,7 +77,7 @@ def _plan_shard(shard, cfg: MineConfig, pool_size: int, seed: int) -> tuple[list
 def _make_read(cfg: MineConfig):
     from operators.pairs import ReadPairs
 
-    return ReadPairs(cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column)
+    return ReadPairs(cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column, cfg.storage_layer())
 
 
 def _make_embed(cfg: MineConfig, threads: int, device: str):
@@ -98,17 +103,18 @@ def _make_filter(pool_ref, k: int, device: str, chunk_mb: float):
     return PairFilter(partial(_load_pool, pool_ref), k, device, chunk_mb)
 
 
-def _make_write(staging: str, run_id: str, model: str, pool_size: int, k: int, side_output: bool):
+def _make_write(staging: str, run_id: str, model: str, pool_size: int, k: int, side_output: bool, storage):
     from operators.pairs import PairWriter
 
-    return PairWriter(staging, run_id, model, pool_size, k, side_output)
+    return PairWriter(staging, run_id, model, pool_size, k, side_output, storage)
 
 
-def _compact(staging: str, out: str, shard_index: int):
+def _compact(staging: str, out: str, shard_index: int, storage):
     from operators.pairs import PAIR_SCHEMA
     from operators.write import STAGING_SORT_COLUMN, compact_shard
 
-    return compact_shard(staging, out, shard_index, PAIR_SCHEMA, (STAGING_SORT_COLUMN,))
+    path, n, _ = compact_shard(staging, out, shard_index, PAIR_SCHEMA, (STAGING_SORT_COLUMN,), storage)
+    return path, n
 
 
 def filter_pairs(cfg: MineConfig) -> MineResult:
@@ -117,7 +123,6 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     Raises:
         ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError: user errors, before any work.
     """
-    import fsspec
     import ray
 
     from operators.pairs import PAIR_SKIP_REASONS
@@ -126,29 +131,30 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     t0 = time.time()
     c = cfg.consistency
     run_id = cfg.output.run_id or new_run_id()
-    fs, out_root = fsspec.core.url_to_fs(cfg.output.path.rstrip("/") or ".")
-    if fs.exists(out_root) and not fs.isdir(out_root):
+    storage = cfg.storage_layer()
+    out = cfg.output.path.rstrip("/") or "."
+    if (storage.info(out) or {}).get("type") == "file":
         raise ConfigError(f"output.path = {cfg.output.path!r} is a file; it must be a folder (created if missing)")
-    run_dir, url = f"{out_root}/{run_id}", ((lambda p: fs.unstrip_protocol(p)) if "://" in cfg.output.path else (lambda p: p))
-    if fs.exists(f"{run_dir}/{SUCCESS_MARKER}"):
+    run_dir = f"{out}/{run_id}"
+    if storage.exists(f"{run_dir}/{SUCCESS_MARKER}"):
         raise RunExistsError(f"run {run_id} in {cfg.output.path} is already committed; choose another --run-id")
     if not cfg.input.path:
         raise ConfigError("filter-pairs needs --input (a parquet/JSONL file, folder or glob of pairs)")
     if not c.enabled:
         raise ConfigError("consistency.enabled = False: filter-pairs is the consistency filter and cannot run without it")
-    shards = discover_shards(cfg.input.path, cfg.input.format)
-    check_parquet_shards(shards, (cfg.input.query_column, cfg.input.passage_column))
+    shards = discover_shards(cfg.input.path, cfg.input.format, storage)
+    check_parquet_shards(shards, (cfg.input.query_column, cfg.input.passage_column), storage)
     pool_shards = None
     if c.pool_path:
         try:
-            pool_shards = discover_shards(c.pool_path)
+            pool_shards = discover_shards(c.pool_path, storage=storage)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"consistency.pool_path (--pool): {e}") from None
-        check_parquet_shards(pool_shards, (cfg.input.text_column, cfg.input.id_column))
+        check_parquet_shards(pool_shards, (cfg.input.text_column, cfg.input.id_column), storage)
     check_model(cfg)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
-    log.info("filter-pairs run %s -> %s: %d input shard(s); Ray %s", run_id, url(run_dir), len(shards), where)
+    log.info("filter-pairs run %s -> %s: %d input shard(s); Ray %s", run_id, run_dir, len(shards), where)
 
     # ---- plan and pool --------------------------------------------------------------------------------------------
     own_pool = c.pool_size if pool_shards is None else 0
@@ -168,7 +174,8 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     else:
         spec = PoolSpec(c.pool_size, c.seed, 1.0, 0, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages,
                         hash_by="text")
-        scans = run_remote(scan_shard, [(s, cfg.input.text_column, cfg.input.id_column, 0, 0, 1.0, spec) for s in pool_shards])
+        scans = run_remote(scan_shard, [(s, cfg.input.text_column, cfg.input.id_column, 0, 0, 1.0, spec, storage)
+                                        for s in pool_shards])
         candidates, pool_source = [s.pool for s in scans], c.pool_path
     pool_passages, pool_hashes = pool_sample(candidates, c.pool_size, unique=True)
     del plans
@@ -196,16 +203,16 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
 
     # ---- the streaming pass -----------------------------------------------------------------------------------------
     staging = f"{run_dir}/_staging"
-    if fs.exists(staging):
-        fs.rm(staging, recursive=True)
-    fs.makedirs(run_dir, exist_ok=True)
+    storage.rm(staging)  # leftovers of an interrupted attempt of this run id
+    storage.makedirs(run_dir)
     stages = [
         Stage("read_pairs", partial(_make_read, cfg), batch_size=1, num_cpus=light),
         Stage("embed_pairs", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
               num_gpus=gpu_embed),
         Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb), batch_size=batch,
               actors=c.num_actors or (gpus if gpu_filter else 1), num_cpus=light, num_gpus=gpu_filter),
-        Stage("write_pairs", partial(_make_write, url(staging), run_id, model_id(cfg), pool_size, c.k, c.side_output),
+        Stage("write_pairs", partial(_make_write, staging, run_id, model_id(cfg), pool_size, c.k, c.side_output,
+                                            storage),
               batch_size=batch, num_cpus=light),
     ]
     ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
@@ -216,11 +223,10 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         summaries.append(json.loads(row["stats"]))
         progress.update(summaries[-1].get("pairs_in", 0), summaries[-1].get("pairs_kept", 0))
     progress.done()
-    parts = run_remote(_compact, [(url(f"{staging}/pairs"), url(f"{run_dir}/pairs"), s.index) for s in shards])
+    parts = run_remote(_compact, [(f"{staging}/pairs", f"{run_dir}/pairs", s.index, storage) for s in shards])
     if c.side_output:
-        run_remote(_compact, [(url(f"{staging}/dropped"), url(f"{run_dir}/dropped"), s.index) for s in shards])
-    if fs.exists(staging):
-        fs.rm(staging, recursive=True)
+        run_remote(_compact, [(f"{staging}/dropped", f"{run_dir}/dropped", s.index, storage) for s in shards])
+    storage.rm(staging)
 
     # ---- commit -----------------------------------------------------------------------------------------------------
     total, hists = merge_stats(summaries)
@@ -254,16 +260,15 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
                      "passage_prefix": cfg.resolved_prefix(), "embed_device": device, "ray": where},
         "consistency": {"pool_size": pool_size, "pool_size_requested": c.pool_size, "pool_source": pool_source,
                         "k": c.k, "seed": c.seed, "side_output": "dropped/" if c.side_output else None},
-        "inputs": [{"shard_index": s.index, "path": s.path, "format": s.format, "size": s.size} for s in shards],
+        "inputs": [_shard_dict(s) for s in shards],
         "shards": [{"shard_index": s.index, "part": f"pairs/{p.rsplit('/', 1)[-1]}", "pairs": n, "status": "committed"}
                    for s, (p, n) in zip(shards, parts)],
         "versions": _versions(), "host": platform.node(),
     }
-    _write_json(fs, f"{run_dir}/stats.json", stats)
-    _write_json(fs, f"{run_dir}/manifest.json", manifest)
-    with fs.open(f"{run_dir}/{SUCCESS_MARKER}", "w") as f:
-        f.write(run_id + "\n")
+    write_json(storage, f"{run_dir}/stats.json", stats)
+    write_json(storage, f"{run_dir}/manifest.json", manifest)
+    storage.write_bytes(f"{run_dir}/{SUCCESS_MARKER}", (run_id + "\n").encode())
     log.info("done in %.1f s: kept %d of %d usable pairs (%.1f%%; n_above < %d against %d pool passages); %d skipped "
              "-> %s", elapsed, kept, usable, stats["consistency_keep_rate_pct"], c.k, pool_size,
-             stats["pairs_skipped_total"], url(run_dir))
-    return MineResult(run_dir=url(run_dir), stats=stats)
+             stats["pairs_skipped_total"], run_dir)
+    return MineResult(run_dir=run_dir, stats=stats)

@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from operators.read import open_input, read_jsonl_records, require_columns, require_keys
+from operators.storage import LOCAL, Storage
 
 SAMPLE_DIR = Path(__file__).parent / "sample" / "web-docs"
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -36,6 +37,12 @@ class Shard:
     path: str
     format: str  # parquet | jsonl
     size: int = 0  # bytes
+    fingerprint: str = ""  # "etag:<S3 ETag>" or "sha256:<content hash>": with the path, what --incremental compares
+
+    @property
+    def key(self) -> str:
+        """Identity of the shard's content for ``--incremental``: path, size and fingerprint."""
+        return f"{self.path}|{self.size}|{self.fingerprint}"
 
 
 @dataclass
@@ -88,45 +95,73 @@ def _format_of(path: str, forced: str) -> str | None:
     return None
 
 
-def discover_shards(path: str = "", fmt: str = "auto") -> list[Shard]:
-    """The input shards of ``path``, sorted by path.
+def content_fingerprint(fs, path: str, info: dict) -> str:
+    """``etag:<ETag>`` for an object-store file (no read needed), else ``sha256:<hash of the content>``."""
+    etag = info.get("ETag") or info.get("etag")
+    if etag:
+        return "etag:" + str(etag).strip('"')
+    import hashlib
+
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def discover_shards(path: str = "", fmt: str = "auto", storage: Storage = LOCAL) -> list[Shard]:
+    """The input shards of ``path``, sorted by path, each with its size and content fingerprint.
 
     Args:
         path: a parquet/JSONL file, a folder (searched recursively), or a glob; local or an fsspec URL such as
-            ``s3://bucket/prefix/``. Empty: the sample that ships with pairmine.
+            ``s3://bucket/prefix/``. Empty: the sample that ships with pairmine. Files and folders whose name starts
+            with ``.`` or ``_`` are ignored in folders (hidden, temporary, markers).
         fmt: ``auto`` (by extension: .parquet/.pq, .jsonl/.json/.ndjson), ``parquet`` or ``jsonl``.
+        storage: object store options and retries.
 
     Raises:
         FileNotFoundError: the path does not exist, or matches no parquet/JSONL file.
+        InputError: a file's format cannot be told from its name.
+        StorageError: the listing failed (not transient, or after the retries).
     """
-    import fsspec
-
     path = path or str(SAMPLE_DIR)
-    fs, root = fsspec.core.url_to_fs(path)
-    if _glob.has_magic(root):
-        files = [p for p in fs.glob(root) if fs.isfile(p)]
-    elif fs.isdir(root):
-        files = [p for p in fs.find(root) if _format_of(p, "auto")] if fmt == "auto" else fs.find(root)
-        files = [p for p in files if not Path(p).name.startswith((".", "_"))]
-    elif fs.exists(root):
-        files = [root]
-    else:
-        raise FileNotFoundError(f"input {path} does not exist")
+    fs, root = storage.fs(path)
+
+    def listing() -> tuple[str, list[tuple[str, dict]]]:
+        fs.invalidate_cache()
+        if _glob.has_magic(root):
+            kind, found = "glob", {p: fs.info(p) for p in fs.glob(root)}
+        elif fs.isdir(root):
+            kind, found = "folder", fs.find(root, detail=True)
+        elif fs.exists(root):
+            kind, found = "file", {root: fs.info(root)}
+        else:
+            raise FileNotFoundError(f"input {path} does not exist")
+        return kind, sorted((p, info) for p, info in found.items() if info.get("type", "file") == "file")
+
+    kind, files = storage.retry("list", path, listing)
+    if kind == "folder":
+        def hidden(p: str) -> bool:
+            return any(part.startswith((".", "_")) for part in p[len(root):].strip("/").split("/"))
+
+        files = [(p, i) for p, i in files if not hidden(p) and (fmt != "auto" or _format_of(p, "auto"))]
     shards = []
-    for p in sorted(files):
+    for p, info in files:
         f = _format_of(p, fmt)
         if f is None:
             raise InputError(
                 f"input {p}: cannot tell the format from the name (.parquet/.pq or .jsonl/.json/.ndjson); "
                 "set input.format to parquet or jsonl, or point --input at the data files"
             )
-        shards.append(Shard(index=len(shards), path=fs.unstrip_protocol(p) if "://" in path else p, format=f, size=int(fs.size(p) or 0)))
+        full = Storage.url(path, p)
+        fp = storage.retry("fingerprint", full, lambda: content_fingerprint(fs, p, info))
+        shards.append(Shard(index=len(shards), path=full, format=f, size=int(info.get("size") or 0), fingerprint=fp))
     if not shards:
         raise FileNotFoundError(f"input {path} holds no parquet or JSONL file")
     return shards
 
 
-def check_parquet_shards(shards: list[Shard], required: tuple[str, ...]) -> int:
+def check_parquet_shards(shards: list[Shard], required: tuple[str, ...], storage: Storage = LOCAL) -> int:
     """Read every parquet shard's footer (cheap, also on s3://): check that it is parquet and has the required
     columns, before any work starts.
 
@@ -140,10 +175,13 @@ def check_parquet_shards(shards: list[Shard], required: tuple[str, ...]) -> int:
     for shard in shards:
         if shard.format != "parquet":
             continue
-        try:
-            with open_input(shard.path) as f:
+        def footer(path=shard.path):
+            with open_input(path, storage) as f:
                 pf = pq.ParquetFile(f)
-                names, rows = pf.schema_arrow.names, pf.metadata.num_rows
+                return pf.schema_arrow.names, pf.metadata.num_rows
+
+        try:
+            names, rows = storage.retry("read", shard.path, footer)
         except (pa.ArrowInvalid, OSError) as e:
             raise InputError(f"input {shard.path} is not a readable parquet file: {e}") from None
         require_columns(shard.path, names, required)
@@ -160,7 +198,7 @@ def sample_cut(sample_docs: int, known_rows: int) -> float:
 
 def scan_shard(
     shard: Shard, text_column: str, id_column: str, sample_docs: int, seed: int, cut: float = 1.0,
-    pool: PoolSpec | None = None,
+    pool: PoolSpec | None = None, storage: Storage = LOCAL,
 ) -> ShardScan:
     """First pass over one shard.
 
@@ -180,19 +218,21 @@ def scan_shard(
     from operators.read import skip_reasons
 
     if shard.format == "parquet":
-        with open_input(shard.path) as f:
-            pf = pq.ParquetFile(f)
-            names = pf.schema_arrow.names
-            require_columns(shard.path, names, (text_column, id_column))
-            rg_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
-            table = pf.read(columns=[id_column, text_column])
+        def read():
+            with open_input(shard.path, storage) as f:
+                pf = pq.ParquetFile(f)
+                require_columns(shard.path, pf.schema_arrow.names, (text_column, id_column))
+                rows = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
+                return rows, pf.read(columns=[id_column, text_column])
+
+        rg_rows, table = storage.retry("read", shard.path, read)
         ids = table.column(id_column).combine_chunks()
         texts = table.column(text_column).combine_chunks()
         ids = ids.cast(pa.string()) if ids.type != pa.string() else ids
         texts = texts.cast(pa.string()) if texts.type != pa.string() else texts
         invalid = None
     else:
-        records, _ = read_jsonl_records(shard.path)
+        records, _ = read_jsonl_records(shard.path, storage)
         require_keys(shard.path, records, (text_column, id_column))
         rg_rows = [len(records)]
         ids = pa.array([None if r is None or r.get(id_column) is None else str(r.get(id_column)) for r in records], pa.string())

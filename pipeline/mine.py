@@ -13,7 +13,9 @@ Run folder layout (``<output>/<run_id>/``): ``groups/part-00000.parquet`` (one p
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
+import io
 import json
 import logging
 import os
@@ -39,6 +41,8 @@ from pipeline.ray_adapter import (
 log = logging.getLogger("pairmine")
 
 SUCCESS_MARKER = "_SUCCESS"
+STATE_DIR = "_state"  # plan.json (inputs + config of the first attempt) and one commit record per committed shard
+LATEST_POINTER = "_latest.json"  # beside the run folders: the most recently committed run (format 1, see README)
 GPU_SHARE_EMBED = 0.75  # of each GPU for the embed actor; the consistency filter actor gets the rest
 
 
@@ -116,7 +120,7 @@ def check_model(cfg: MineConfig) -> None:
 def _make_read(cfg: MineConfig):
     from operators.read import ReadDocuments
 
-    return ReadDocuments(cfg.input.text_column, cfg.input.id_column, cfg.input.url_column)
+    return ReadDocuments(cfg.input.text_column, cfg.input.id_column, cfg.input.url_column, cfg.storage_layer())
 
 
 def _make_chunk(cfg: MineConfig):
@@ -145,10 +149,10 @@ def _make_related(cfg: MineConfig, vectorizer):
     return RelatedMiner(vectorizer, cfg.resolved_threshold(), r.n_related, r.rrf_k, r.w_dense, r.w_lexical)
 
 
-def _make_write(staging: str, run_id: str, model: str, threshold: float, pool_size, k, side_output: bool):
+def _make_write(staging: str, run_id: str, model: str, threshold: float, pool_size, k, side_output: bool, storage):
     from operators.write import GroupWriter
 
-    return GroupWriter(staging, run_id, model, threshold, pool_size, k, side_output)
+    return GroupWriter(staging, run_id, model, threshold, pool_size, k, side_output, storage)
 
 
 def _load_pool(pool_ref):
@@ -164,7 +168,8 @@ def _make_filter(pool_ref, k: int, device: str, chunk_mb: float):
 
 
 def _scan(shard, cfg: MineConfig, cut: float, pool: PoolSpec | None):
-    return scan_shard(shard, cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs, cfg.tfidf.seed, cut, pool)
+    return scan_shard(shard, cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs, cfg.tfidf.seed, cut, pool,
+                      cfg.storage_layer())
 
 
 def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage) -> tuple[np.ndarray, np.ndarray]:
@@ -192,10 +197,93 @@ def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage) 
     return np.concatenate(mats), np.concatenate(hashes).astype(np.int64)
 
 
-def _compact(staging: str, groups_dir: str, shard_index: int):
+def commit_shard(run_dir: str, shard: dict, stats: dict, side_output: bool, storage) -> dict:
+    """Make one input shard's output visible: compact its staging files into ``groups/part-NNNNN.parquet`` (and
+    ``dropped/``), check the part against the write stage's count, then write the shard's commit record
+    ``_state/shard-NNNNN.json`` (the shard's counts; its existence is what "committed" means). Runs as a Ray task.
+
+    Raises:
+        RuntimeError: the part holds another number of groups than the write stage counted.
+        StorageError: a staging file, the part or the record cannot be read or written.
+    """
     from operators.write import compact_shard
 
-    return compact_shard(staging, groups_dir, shard_index)
+    i = shard["index"]
+    path, n, dup = compact_shard(f"{run_dir}/_staging/groups", f"{run_dir}/groups", i, storage=storage)
+    if n != stats.get("groups", 0):
+        raise RuntimeError(f"shard {i} ({shard['path']}): part holds {n} groups, the write stage counted "
+                           f"{stats.get('groups', 0)}")
+    dropped = None
+    if side_output:
+        _, dropped, _ = compact_shard(f"{run_dir}/_staging/dropped", f"{run_dir}/dropped", i, storage=storage)
+    record = {"shard_index": i, "path": shard["path"], "key": shard["key"], "part": f"groups/{path.rsplit('/', 1)[-1]}",
+              "groups": n, "dropped_groups": dropped, "staged_twice": dup, "pool_size": shard.get("pool_size"),
+              "stats": stats,
+              "committed_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    write_json(storage, f"{run_dir}/{STATE_DIR}/shard-{i:05d}.json", record)
+    return record
+
+
+def read_json(storage, path: str):
+    return json.loads(storage.read_bytes(path))
+
+
+def write_json(storage, path: str, obj) -> None:
+    """Write ``obj`` as indented JSON, atomically (readers see the old or the whole new file)."""
+    storage.write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
+
+
+# Config sections/keys that do not change a run's groups: a resumed run may change them.
+_NOT_RESULT_KEYS = {"output", "ray", "storage"}
+_NOT_RESULT_FIELDS = {("input", "incremental"), ("embed", "num_actors"), ("embed", "threads"), ("embed", "device"),
+                      ("consistency", "num_actors"), ("consistency", "chunk_mb"), ("embed", "batch_size")}
+
+
+def result_config(cfg: MineConfig) -> dict:
+    """The part of the config that decides a run's groups (a resumed run must match it)."""
+    d = cfg.to_dict()
+    return {sec: {k: v for k, v in vals.items() if (sec, k) not in _NOT_RESULT_FIELDS}
+            for sec, vals in d.items() if sec not in _NOT_RESULT_KEYS}
+
+
+def check_resume(plan: dict, prior: dict, run_id: str) -> None:
+    """Refuse to resume run ``run_id`` when its inputs or result-deciding config differ from the first attempt's.
+
+    Raises:
+        RunExistsError: naming what differs.
+    """
+    if [s["key"] for s in prior["inputs"]] != [s["key"] for s in plan["inputs"]]:
+        old = {s["key"] for s in prior["inputs"]}
+        new = {s["key"] for s in plan["inputs"]}
+        changed = sorted(k.split("|")[0] for k in old ^ new)[:3]
+        raise RunExistsError(
+            f"run {run_id} was started on other input shards ({len(prior['inputs'])} then, {len(plan['inputs'])} now; "
+            f"differing: {', '.join(changed) or 'their order'}); resume it with the same input, or use a new --run-id")
+    diffs = [f"{sec}.{k}" for sec, vals in plan["config"].items() for k, v in vals.items()
+             if prior["config"].get(sec, {}).get(k) != v]
+    if diffs:
+        raise RunExistsError(f"run {run_id} was started with another config ({', '.join(diffs[:5])} differ); resume it "
+                             "with the same config, or use a new --run-id")
+
+
+def committed_runs(output: str, storage) -> list[dict]:
+    """The committed runs under ``output`` (folders with a ``_SUCCESS`` marker), oldest commit first: each the run's
+    manifest plus ``run_dir``. Uncommitted (running, interrupted) run folders are left out.
+
+    Raises:
+        StorageError: the listing or a manifest cannot be read.
+    """
+    runs = []
+    for folder in storage.ls(output):
+        name = folder.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith((".", "_")) or not storage.exists(f"{folder}/{SUCCESS_MARKER}"):
+            continue
+        try:
+            manifest = read_json(storage, f"{folder}/manifest.json")
+        except FileNotFoundError:
+            continue
+        runs.append({**manifest, "run_dir": folder})
+    return sorted(runs, key=lambda m: (m.get("committed_utc") or m.get("created_utc") or "", m.get("run_id", "")))
 
 
 def merge_stats(parts: list[dict]) -> tuple[Counter, dict[str, list[int]]]:
@@ -225,8 +313,7 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
     """
     from operators.read import SKIP_REASONS
     from operators.related import NO_ANCHOR, NO_PASSAGES, TOO_FEW_PASSAGES
-    from operators.write import N_ABOVE_BINS
-    from operators.write import CENTRALITY_BINS
+    from operators.write import CENTRALITY_BINS, N_ABOVE_BINS
 
     skipped = {r: int(total.get(f"docs_skipped.{r}", 0)) for r in SKIP_REASONS}
     reasons = (NO_PASSAGES, TOO_FEW_PASSAGES, NO_ANCHOR, "consistency_filter")
@@ -300,55 +387,75 @@ def _versions() -> dict:
     return out
 
 
-def _write_json(fs, path: str, obj) -> None:
-    tmp = f"{path}.tmp"
-    with fs.open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-    fs.mv(tmp, path)
+def _shard_dict(shard) -> dict:
+    return {"shard_index": shard.index, "path": shard.path, "format": shard.format, "size": shard.size,
+            "fingerprint": shard.fingerprint, "key": shard.key}
 
 
 def mine(cfg: MineConfig) -> MineResult:
     """Run the main job with a validated config. Returns the run folder and its stats.
 
+    Exactly once: every input shard's part is committed on its own (part, then its commit record under
+    ``_state/``) as soon as all its documents are written; a re-run with the same run id checks that inputs and
+    config are unchanged, skips the committed shards and mines the rest; ``stats.json``, ``manifest.json`` and the
+    ``_SUCCESS`` marker come last, then the ``_latest.json`` pointer beside the runs. With ``input.incremental``,
+    shards that a committed run under ``output.path`` already mined (same path, size and ETag/content hash) are left
+    out; when none is left, no run folder is made and ``MineResult.run_dir`` is None.
+
     Raises:
         FileNotFoundError: no input. InputError: an input file is unusable. MissingColumnError: a shard lacks the
         text or id column. ConfigError: the model cannot be loaded, the output path is a file.
-        RunExistsError: the run id names a run that is already committed.
+        RunExistsError: the run id names a committed run, or a run started with other inputs or config.
+        StorageError: a read or write failed for good (not transient, or still failing after the retries).
     """
-    import fsspec
     import joblib
     import ray
 
     t0 = time.time()
-    run_id = cfg.output.run_id or new_run_id()
-    fs, out_root = fsspec.core.url_to_fs(cfg.output.path.rstrip("/") or ".")
-    if fs.exists(out_root) and not fs.isdir(out_root):
+    storage = cfg.storage_layer()
+    out = cfg.output.path.rstrip("/") or "."
+    if (storage.info(out) or {}).get("type") == "file":
         raise ConfigError(f"output.path = {cfg.output.path!r} is a file; it must be a folder (created if missing)")
-    run_dir = f"{out_root}/{run_id}"
-    if fs.exists(f"{run_dir}/{SUCCESS_MARKER}"):
+    # Everything that can be checked cheaply is checked before Ray starts and before the run folder exists.
+    shards = discover_shards(cfg.input.path, cfg.input.format, storage)
+    if cfg.input.incremental:
+        mined = {s["key"] for run in committed_runs(out, storage) for s in run.get("inputs", [])}
+        new = [s for s in shards if s.key not in mined]
+        log.info("incremental: %d of %d input shard(s) not yet mined by a committed run under %s",
+                 len(new), len(shards), out)
+        if not new:
+            return MineResult(run_dir=None, stats={"docs_in": 0, "shards_in": len(shards), "shards_new": 0})
+        shards = [dataclasses.replace(s, index=i) for i, s in enumerate(new)]
+    run_id = cfg.output.run_id or new_run_id()
+    run_dir = f"{out}/{run_id}"
+    if storage.exists(f"{run_dir}/{SUCCESS_MARKER}"):
         raise RunExistsError(
             f"run {run_id} in {cfg.output.path} is already committed ({run_dir}/{SUCCESS_MARKER}); "
             "choose another --run-id, or leave it out for a new one"
         )
+    plan = {"run_id": run_id, "inputs": [_shard_dict(s) for s in shards], "config": result_config(cfg)}
+    prior = read_json(storage, f"{run_dir}/{STATE_DIR}/plan.json") if storage.exists(
+        f"{run_dir}/{STATE_DIR}/plan.json") else None
+    if prior is not None:
+        check_resume(plan, prior, run_id)
     staging = f"{run_dir}/_staging"
-    url = (lambda p: fs.unstrip_protocol(p)) if "://" in cfg.output.path else (lambda p: p)
-    # Everything that can be checked cheaply is checked before Ray starts and before the run folder exists.
-    shards = discover_shards(cfg.input.path, cfg.input.format)
-    known_rows = check_parquet_shards(shards, (cfg.input.text_column, cfg.input.id_column))
+    known_rows = check_parquet_shards(shards, (cfg.input.text_column, cfg.input.id_column), storage)
     check_model(cfg)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
-    log.info("run %s -> %s: %d input shard(s) from %s; Ray %s", run_id, url(run_dir), len(shards),
+    log.info("run %s -> %s: %d input shard(s) from %s; Ray %s", run_id, run_dir, len(shards),
              cfg.input.path or "the shipped sample", where)
 
     # ---- first pass: ids (duplicates), layout (work units), seeded text sample (IDF) -----------------------------
+    # A resumed run repeats it over all shards: duplicates, the IDF and the pool depend on the whole input, and
+    # the pass is seeded, so it gives the first attempt's results again.
     cut = sample_cut(cfg.tfidf.sample_docs, known_rows)
     c = cfg.consistency
     pool_spec = PoolSpec(c.pool_size, c.seed, sample_cut(c.pool_size, known_rows), known_rows, cfg.chunk.max_words,
                          cfg.chunk.min_words, cfg.chunk.max_passages) if c.enabled else None
     scans = run_remote(_scan, [(s, cfg, cut, pool_spec) for s in shards])
     docs_expected = sum(s.num_rows for s in scans)
+    rows_per_shard = {s.shard_index: s.num_rows for s in scans}
     dups = duplicate_rows(scans)
     units = work_units(shards, scans, dups)
     from operators.chunk import chunk_text
@@ -366,12 +473,30 @@ def mine(cfg: MineConfig) -> MineResult:
         # dense rank decides; said in the log and the manifest.
         log.warning("%s; lexical (TF-IDF) scores will all be 0", e)
         vectorizer, tfidf_note = fit_tfidf(["pairmine-empty-sample"]), str(e)
-    if fs.exists(staging):  # leftovers of an interrupted attempt of this run id
-        fs.rm(staging, recursive=True)
-    fs.makedirs(run_dir, exist_ok=True)
-    with fs.open(f"{run_dir}/tfidf.joblib", "wb") as f:
-        joblib.dump(vectorizer, f)
-    pool_passages, pool_hashes = pool_sample([s.pool for s in scans], c.pool_size) if c.enabled else ([], None)
+
+    # ---- the run folder: plan, committed shards of an earlier attempt, clean staging ------------------------------
+    records: dict[int, dict] = {}
+    if prior is None:
+        storage.rm(staging)  # leftovers of an attempt killed before its plan was written
+        storage.makedirs(run_dir)
+        write_json(storage, f"{run_dir}/{STATE_DIR}/plan.json", plan)
+    else:
+        for path in storage.ls(f"{run_dir}/{STATE_DIR}"):
+            if path.rsplit("/", 1)[-1].startswith("shard-") and path.endswith(".json"):
+                rec = read_json(storage, path)
+                records[rec["shard_index"]] = rec
+        for s in shards:  # staging files of shards not committed are partial: they are written again
+            if s.index not in records:
+                storage.rm(f"{staging}/groups/shard-{s.index:05d}")
+                storage.rm(f"{staging}/dropped/shard-{s.index:05d}")
+        log.info("resuming run %s: %d of %d shard(s) already committed, %d to mine", run_id, len(records), len(shards),
+                 len(shards) - len(records))
+    buf = io.BytesIO()
+    joblib.dump(vectorizer, buf)
+    storage.write_bytes(f"{run_dir}/tfidf.joblib", buf.getvalue())
+    todo = [s for s in shards if s.index not in records]
+    todo_units = [u for u in units if u["shard_index"] not in records]
+    pool_passages, pool_hashes = pool_sample([s.pool for s in scans], c.pool_size) if c.enabled and todo else ([], None)
     del scans
     log.info(
         "first pass: %d documents in %d work unit(s), %d duplicate id(s); TF-IDF fitted on %d passages (vocabulary %d)",
@@ -385,95 +510,162 @@ def mine(cfg: MineConfig) -> MineResult:
     device = cfg.embed.device if cfg.embed.device != "auto" else ("cuda" if gpus else "cpu")
     batch = cfg.ray.docs_per_batch
     threshold = cfg.resolved_threshold()
-    # CPU stages are light next to the embedder; half a CPU each keeps a 2-core machine from being filled by the two
-    # actor pools (an actor holding every CPU starves the tasks and the pipeline hangs).
-    light = 0.5
-    # On a GPU the embedder and the consistency filter share each GPU (3/4 + 1/4): two whole-GPU actor pools would
-    # wait on each other forever on a one-GPU node.
-    gpu_embed, gpu_filter = (GPU_SHARE_EMBED, 1.0 - GPU_SHARE_EMBED) if device == "cuda" else (0, 0)
-    embed_stage = Stage("embed", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
-                        num_cpus=1, num_gpus=gpu_embed)
-    stages = [
-        Stage("read", partial(_make_read, cfg), batch_size=1, num_cpus=light),
-        Stage("chunk", partial(_make_chunk, cfg), batch_size=batch, num_cpus=light),
-        embed_stage,
-        Stage("centrality", _make_centrality, batch_size=batch, num_cpus=light),
-        Stage("related", partial(_make_related, cfg, vectorizer), batch_size=batch, num_cpus=light),
-    ]
+    side_output = c.enabled and c.side_output
     pool_size = None
-    if c.enabled:
-        t_pool = time.time()
-        pool_vectors, pool_hashes = embed_pool(pool_passages, pool_hashes, embed_stage)
-        pool_size = len(pool_vectors)
-        pool_ref = ray.put((pool_vectors, pool_hashes))
-        if pool_size == 0:
-            log.warning("the consistency pool is empty (the input has no usable passage): every group will be kept")
-        log.info("consistency pool: %d passages embedded in %.1f s (asked for %d; k = %d)",
-                 pool_size, time.time() - t_pool, c.pool_size, c.k)
-        del pool_vectors, pool_passages
-        filter_actors = c.num_actors or (gpus if gpus and device == "cuda" else 1)
-        stages.append(Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb), batch_size=batch,
-                            actors=filter_actors, num_cpus=light, num_gpus=gpu_filter))
-    stages.append(Stage("write", partial(_make_write, url(staging), run_id, model_id(cfg), threshold, pool_size,
-                                         c.k if c.enabled else None, c.enabled and c.side_output),
-                        batch_size=batch, num_cpus=light))
-    log.info(
-        "mining with %s (prefix %r, anchor threshold %.3f): %d embed actor(s) on %s, %d thread(s) each",
-        model_id(cfg), cfg.resolved_prefix(), threshold, actors, device, threads,
-    )
-    ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
-    for stage in stages:
-        ds = apply_stage(ds, stage)
-    summaries = []
-    progress = Progress(docs_expected)
-    for row in ds.iter_rows():  # one small row per written batch, streamed as batches finish
-        summaries.append(json.loads(row["stats"]))
-        progress.update(summaries[-1].get("docs_in", 0), summaries[-1].get("groups", 0))
-    progress.done()
+    if todo:
+        # CPU stages are light next to the embedder; half a CPU each keeps a 2-core machine from being filled by the
+        # two actor pools (an actor holding every CPU starves the tasks and the pipeline hangs).
+        light = 0.5
+        # On a GPU the embedder and the consistency filter share each GPU (3/4 + 1/4): two whole-GPU actor pools
+        # would wait on each other forever on a one-GPU node.
+        gpu_embed, gpu_filter = (GPU_SHARE_EMBED, 1.0 - GPU_SHARE_EMBED) if device == "cuda" else (0, 0)
+        embed_stage = Stage("embed", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
+                            num_cpus=1, num_gpus=gpu_embed)
+        stages = [
+            Stage("read", partial(_make_read, cfg), batch_size=1, num_cpus=light),
+            Stage("chunk", partial(_make_chunk, cfg), batch_size=batch, num_cpus=light),
+            embed_stage,
+            Stage("centrality", _make_centrality, batch_size=batch, num_cpus=light),
+            Stage("related", partial(_make_related, cfg, vectorizer), batch_size=batch, num_cpus=light),
+        ]
+        if c.enabled:
+            t_pool = time.time()
+            pool_vectors, pool_hashes = embed_pool(pool_passages, pool_hashes, embed_stage)
+            pool_size = len(pool_vectors)
+            pool_ref = ray.put((pool_vectors, pool_hashes))
+            if pool_size == 0:
+                log.warning("the consistency pool is empty (the input has no usable passage): every group will be kept")
+            log.info("consistency pool: %d passages embedded in %.1f s (asked for %d; k = %d)",
+                     pool_size, time.time() - t_pool, c.pool_size, c.k)
+            del pool_vectors, pool_passages
+            filter_actors = c.num_actors or (gpus if gpus and device == "cuda" else 1)
+            stages.append(Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb),
+                                batch_size=batch, actors=filter_actors, num_cpus=light, num_gpus=gpu_filter))
+        stages.append(Stage("write", partial(_make_write, staging, run_id, model_id(cfg), threshold, pool_size,
+                                             c.k if c.enabled else None, side_output, storage),
+                            batch_size=batch, num_cpus=light))
+        log.info(
+            "mining %d shard(s) with %s (prefix %r, anchor threshold %.3f): %d embed actor(s) on %s, %d thread(s) each",
+            len(todo), model_id(cfg), cfg.resolved_prefix(), threshold, actors, device, threads,
+        )
+        records.update(_stream_and_commit(stages, todo, todo_units, rows_per_shard, run_dir, side_output, pool_size,
+                                          storage))
 
-    # ---- compact staging files into one part per input shard ---------------------------------------------------
-    parts = run_remote(_compact, [(url(f"{staging}/groups"), url(f"{run_dir}/groups"), s.index) for s in shards])
-    if c.enabled and c.side_output:
-        run_remote(_compact, [(url(f"{staging}/dropped"), url(f"{run_dir}/dropped"), s.index) for s in shards])
-    total, hists = merge_stats(summaries)
-    if sum(n for _, n in parts) != total["groups"]:
-        raise RuntimeError(f"parts hold {sum(n for _, n in parts)} groups but the write stage counted {total['groups']}")
-    if fs.exists(staging):
-        fs.rm(staging, recursive=True)
-
-    # ---- commit: stats, manifest, then the success marker -------------------------------------------------------
+    # ---- commit: stats, manifest, then the success marker, then the pointer to the newest run --------------------
+    missing = [s.index for s in shards if s.index not in records]
+    if missing:
+        raise RuntimeError(f"shards {missing[:10]} were not committed; re-run with --run-id {run_id} to finish them")
+    total, hists = merge_stats([records[s.index]["stats"] for s in shards])
+    if pool_size is None and c.enabled:  # every shard was committed by an earlier attempt
+        pool_size = next((r.get("pool_size") for r in records.values() if r.get("pool_size") is not None), None)
     stats = build_stats(total, hists, cfg, docs_expected, time.time() - t0)
     stats["run_id"] = run_id
     stats["consistency_enabled"] = c.enabled
+    stats["shards"] = len(shards)
+    stats["shards_resumed"] = len(shards) - len(todo)
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     manifest = {
         "run_id": run_id,
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": (prior or {}).get("created_utc") or now,
+        "committed_utc": now,
         "config": cfg.to_dict(),
         "resolved": {"model": model_id(cfg), "passage_prefix": cfg.resolved_prefix(), "anchor_threshold": threshold,
                      "embed_actors": actors, "embed_device": device, "embed_threads": threads, "ray": where},
-        "inputs": [{"shard_index": s.index, "path": s.path, "format": s.format, "size": s.size} for s in shards],
+        "inputs": [_shard_dict(s) for s in shards],
         "shards": [
-            {"shard_index": s.index, "part": f"groups/{p.rsplit('/', 1)[-1]}", "groups": n, "status": "committed"}
-            for s, (p, n) in zip(shards, parts)
+            {"shard_index": s.index, "path": s.path, "part": records[s.index]["part"],
+             "groups": records[s.index]["groups"], "status": "committed",
+             "committed_utc": records[s.index]["committed_utc"]}
+            for s in shards
         ],
         "consistency": {"enabled": c.enabled, "pool_size": pool_size, "pool_size_requested": c.pool_size, "k": c.k,
-                        "seed": c.seed, "side_output": "dropped/" if c.enabled and c.side_output else None},
+                        "seed": c.seed, "side_output": "dropped/" if side_output else None},
         "tfidf": {"file": "tfidf.joblib", "sample_docs": cfg.tfidf.sample_docs, "sample_passages": len(sample_passages),
                   "vocabulary": len(vectorizer.vocabulary_), "seed": cfg.tfidf.seed, "warning": tfidf_note},
         "versions": _versions(),
         "host": platform.node(),
         "pid": os.getpid(),
     }
-    _write_json(fs, f"{run_dir}/stats.json", stats)
-    _write_json(fs, f"{run_dir}/manifest.json", manifest)
-    with fs.open(f"{run_dir}/{SUCCESS_MARKER}", "w") as f:
-        f.write(run_id + "\n")
+    write_json(storage, f"{run_dir}/stats.json", stats)
+    write_json(storage, f"{run_dir}/manifest.json", manifest)
+    storage.rm(staging)
+    storage.rm(f"{run_dir}/{STATE_DIR}")
+    for folder in ("groups", "dropped"):  # temporary files of writes cut short by a kill (local disks only)
+        for path in storage.ls(f"{run_dir}/{folder}"):
+            if path.rsplit("/", 1)[-1].startswith(".") and ".tmp-" in path:
+                storage.rm(path)
+    storage.write_bytes(f"{run_dir}/{SUCCESS_MARKER}", (run_id + "\n").encode())
+    write_json(storage, f"{out}/{LATEST_POINTER}", {
+        "format": 1, "run_id": run_id, "run_dir": run_dir, "groups": f"{run_dir}/groups/", "committed_utc": now,
+        "groups_count": stats["groups"], "shards": len(shards),
+    })
     kept = (f"; consistency filter kept {stats['consistency_keep_rate_pct']:.1f}% of {stats['groups_mined']} groups "
             f"(n_above < {c.k} against {pool_size} pool passages)") if c.enabled else ""
     log.info(
         "done in %.1f s: %d groups from %d documents (%.1f%% of processed documents have groups, %.2f groups per "
         "document with groups, %.1f%% of passages covered)%s; %d skipped -> %s",
         stats["elapsed_s"], stats["groups"], stats["docs_in"], stats["docs_with_groups_pct"], stats["groups_per_doc"],
-        stats["passage_coverage_pct"], kept, stats["docs_skipped_total"], url(run_dir),
+        stats["passage_coverage_pct"], kept, stats["docs_skipped_total"], run_dir,
     )
-    return MineResult(run_dir=url(run_dir), stats=stats)
+    return MineResult(run_dir=run_dir, stats=stats)
+
+
+def _stream_and_commit(stages: list[Stage], todo: list, units: list[dict], rows_per_shard: dict[int, int],
+                       run_dir: str, side_output: bool, pool_size: int | None, storage) -> dict[int, dict]:
+    """Stream the work units of the shards in ``todo`` through ``stages``, and commit each shard (a Ray task running
+    :func:`commit_shard`) as soon as all of its documents have been written.
+
+    Returns:
+        The commit records of the shards in ``todo``, by shard index.
+
+    Raises:
+        RuntimeError: a shard received more documents than it has (a document written twice).
+    """
+    import ray
+
+    commit = ray.remote(num_cpus=0.5, max_retries=2)(commit_shard)
+    per_shard: dict[int, list[dict]] = {s.index: [] for s in todo}
+    seen = {s.index: 0 for s in todo}
+    by_index = {s.index: s for s in todo}
+    pending: dict = {}
+    records: dict[int, dict] = {}
+
+    def submit(i: int) -> None:
+        counts, hists = merge_stats(per_shard[i])
+        shard_stats = {**counts, **hists}
+        pending[commit.remote(run_dir, _shard_dict(by_index[i]) | {"index": i, "pool_size": pool_size}, shard_stats, side_output,
+                              storage)] = i
+
+    def collect(timeout: float | None) -> None:
+        if not pending:
+            return
+        done, _ = ray.wait(list(pending), num_returns=len(pending) if timeout is None else 1, timeout=timeout)
+        for ref in done:
+            i = pending.pop(ref)
+            records[i] = ray.get(ref)
+            log.info("shard %d committed: %s (%d groups)", i, records[i]["part"], records[i]["groups"])
+
+    for i in list(seen):
+        if rows_per_shard.get(i, 0) == 0:  # an empty shard still gets its (empty) part
+            submit(i)
+    ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
+    for stage in stages:
+        ds = apply_stage(ds, stage)
+    progress = Progress(sum(rows_per_shard.get(s.index, 0) for s in todo))
+    for row in ds.iter_rows():  # one small row per (written batch, shard), streamed as batches finish
+        i = int(row["shard_index"])
+        summary = json.loads(row["stats"])
+        per_shard[i].append(summary)
+        seen[i] += summary.get("docs_in", 0)
+        progress.update(summary.get("docs_in", 0), summary.get("groups", 0))
+        if seen[i] > rows_per_shard[i]:
+            raise RuntimeError(f"shard {i} received {seen[i]} documents but has {rows_per_shard[i]}")
+        if seen[i] == rows_per_shard[i]:
+            submit(i)
+        collect(timeout=0)
+    progress.done()
+    short = {i: (seen[i], rows_per_shard[i]) for i in seen if seen[i] != rows_per_shard[i]}
+    if short:
+        raise RuntimeError(f"documents missing after the stream (shard: seen, expected): {short}")
+    collect(timeout=None)
+    return records

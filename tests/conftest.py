@@ -10,6 +10,15 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Credentials of the tests' own S3 server, set before Ray starts so that every Ray worker has them; the secret is
+# what test_storage scans logs, manifests, stats and errors for.
+S3_ACCESS_KEY = "pairmine-test-key"
+S3_SECRET = "pm-test-secret-4f1c9e2b7a"
+os.environ["AWS_ACCESS_KEY_ID"] = S3_ACCESS_KEY
+os.environ["AWS_SECRET_ACCESS_KEY"] = S3_SECRET
+os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
+os.environ.pop("AWS_ENDPOINT_URL", None)
+os.environ.pop("AWS_PROFILE", None)
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +54,96 @@ def tiny_model_dir(tmp_path_factory):
     BertModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """SeaweedFS serving S3 on 127.0.0.1 for the whole session, with the bucket ``pairmine-test``."""
+    from tests.s3server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("seaweedfs") / "data").start()
+    server.make_bucket("pairmine-test")
+    yield server
+    server.stop()
+
+
+class Out:
+    """Where a test writes runs: a local folder or a prefix in the test S3 bucket, with the config overrides that
+    point pairmine at it and readers for what lands there."""
+
+    def __init__(self, root: str, endpoint: str | None):
+        from operators.storage import Storage
+
+        self.root, self.endpoint = root.rstrip("/"), endpoint
+        self.overrides = [f"output.path={self.root}"] + ([f"storage.endpoint_url={endpoint}"] if endpoint else [])
+        self.storage = Storage(endpoint_url=endpoint or "")
+        self.is_s3 = endpoint is not None
+
+    def __str__(self) -> str:
+        return self.root
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def exists(self, *parts: str) -> bool:
+        return self.storage.exists(self.path(*parts))
+
+    def names(self, *parts: str) -> list[str]:
+        """Names directly under ``parts`` that hold at least one file (SeaweedFS keeps an emptied folder as a
+        prefix; on S3 a prefix exists only while objects are under it)."""
+        fs, root = self.storage.fs(self.path(*parts))
+        fs.invalidate_cache()
+        try:
+            files = fs.find(root)
+        except FileNotFoundError:
+            return []
+        return sorted({f[len(root):].strip("/").split("/", 1)[0] for f in files if f.startswith(root + "/")})
+
+    def json(self, *parts: str):
+        import json
+
+        return json.loads(self.storage.read_bytes(self.path(*parts)))
+
+    def filesystem(self):
+        """A pyarrow filesystem and the path to give it (pyarrow's S3FileSystem does not read AWS_ENDPOINT_URL)."""
+        import pyarrow.fs as pafs
+
+        if not self.is_s3:
+            return pafs.LocalFileSystem(), lambda p: p
+        fs = pafs.S3FileSystem(endpoint_override=self.endpoint, scheme="http", region="us-east-1")
+        return fs, lambda p: p.split("://", 1)[1]
+
+    def table(self, *parts: str):
+        """The parquet dataset at ``parts`` (e.g. run_id, "groups"), read with pyarrow.dataset."""
+        import pyarrow.dataset as pads
+
+        fs, strip = self.filesystem()
+        return pads.dataset(strip(self.path(*parts)), format="parquet", filesystem=fs).to_table()
+
+
+@pytest.fixture(params=["local", "s3"])
+def out(request, tmp_path):
+    """Every test that writes output runs twice: into a local folder and into the test S3 server."""
+    if request.param == "local":
+        return Out(str(tmp_path / "runs"), None)
+    import uuid
+
+    server = request.getfixturevalue("s3_server")
+    return Out(f"s3://pairmine-test/{request.node.name.replace('[', '-').rstrip(']')}-{uuid.uuid4().hex[:8]}",
+               server.endpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tiny_model_dir, sample_dir):
+    """A committed run of the tiny model on one shard of the sample (207 documents), for report and calibrate.
+
+    fp32 and a threshold inside the tiny model's centrality range (its centralities are all ~0.99); consistency.k is
+    larger than the pool, so the filter runs (n_above is counted) but keeps every group."""
+    from pipeline.config import load_config
+    from pipeline.mine import mine
+
+    out = tmp_path_factory.mktemp("tiny-runs")
+    cfg = load_config(overrides=[f"input.path={sample_dir}/000_00000.parquet", f"output.path={out}",
+                                 "output.run_id=tiny", f"embed.model={tiny_model_dir}", "embed.dtype=float32",
+                                 "anchors.threshold=0.995", "consistency.k=100000"])
+    return out / "tiny", mine(cfg)

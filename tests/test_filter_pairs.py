@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.dataset as pads
 import pytest
 
 from pipeline.config import load_config
@@ -28,20 +27,23 @@ def fiqa_pairs(n: int) -> tuple[list[dict], list[dict]]:
     return true, shuffled
 
 
-@pytest.fixture(scope="module")
-def fiqa_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=["local", "s3"])
+def fiqa_run(request, tmp_path_factory):
+    from tests.test_mine import out_for
+
     d = tmp_path_factory.mktemp("fiqa")
+    o = out_for(request, str(d / "runs"))
     true, shuffled = fiqa_pairs(400)
     (d / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in true + shuffled))
-    cfg = load_config(overrides=[f"input.path={d / 'pairs.jsonl'}", f"output.path={d / 'runs'}", "output.run_id=fiqa",
+    cfg = load_config(overrides=[f"input.path={d / 'pairs.jsonl'}", *o.overrides, "output.run_id=fiqa",
                                  "consistency.side_output=true"])
-    return filter_pairs(cfg), d / "runs" / "fiqa"
+    return filter_pairs(cfg), o
 
 
 def test_true_pairs_are_kept_far_more_often_than_shuffled(fiqa_run):
-    result, run = fiqa_run
-    kept = pads.dataset(str(run / "pairs"), format="parquet").to_table().to_pylist()
-    dropped = pads.dataset(str(run / "dropped"), format="parquet").to_table().to_pylist()
+    result, o = fiqa_run
+    kept = o.table("fiqa", "pairs").to_pylist()
+    dropped = o.table("fiqa", "dropped").to_pylist()
 
     def rate(prefix):
         k = sum(r["pair_id"].startswith(prefix) for r in kept)
@@ -56,15 +58,15 @@ def test_true_pairs_are_kept_far_more_often_than_shuffled(fiqa_run):
 
 
 def test_stats_and_layout(fiqa_run):
-    result, run = fiqa_run
+    result, o = fiqa_run
     s = result.stats
     assert s["pairs_in"] == 800 and s["reconciled"]
     assert s["pairs_in"] == s["pairs_kept"] + s["pairs_dropped_consistency"] + s["pairs_skipped_total"]
     true, _ = fiqa_pairs(400)
     assert s["pool_size"] == len({p["passage"] for p in true if p["passage"].strip()})  # each usable passage once
     assert sum(s["n_above_histogram"]["counts"]) == s["pairs_kept"] + s["pairs_dropped_consistency"]
-    assert sorted(p.name for p in run.iterdir()) == ["_SUCCESS", "dropped", "manifest.json", "pairs", "stats.json"]
-    m = json.loads((run / "manifest.json").read_text())
+    assert o.names("fiqa") == ["_SUCCESS", "dropped", "manifest.json", "pairs", "stats.json"]
+    m = o.json("fiqa", "manifest.json")
     assert m["job"] == "filter-pairs" and m["consistency"]["pool_source"] == "the input pairs' passages"
 
 
@@ -80,30 +82,28 @@ def test_cli_bad_pairs(tmp_path):
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
-def test_pool_with_no_usable_passage_keeps_every_pair(tmp_path):
+def test_pool_with_no_usable_passage_keeps_every_pair(tmp_path, out):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"id": ["a", "b"], "text": ["Too short.", "   "]}), tmp_path / "docs.parquet")
     true, _ = fiqa_pairs(5)
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in true))
-    cfg = load_config(overrides=[f"input.path={tmp_path / 'p.jsonl'}", f"output.path={tmp_path / 'runs'}",
+    cfg = load_config(overrides=[f"input.path={tmp_path / 'p.jsonl'}", *out.overrides,
                                  f"consistency.pool_path={tmp_path / 'docs.parquet'}"])
     s = filter_pairs(cfg).stats
     assert s["pool_size"] == 0 and s["pairs_kept"] == 5 and s["reconciled"]
 
 
-def test_pool_from_documents(tmp_path, sample_dir):
+def test_pool_from_documents(tmp_path, sample_dir, out):
     true, shuffled = fiqa_pairs(100)
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in true + shuffled))
-    cfg = load_config(overrides=[f"input.path={tmp_path / 'pairs.jsonl'}", f"output.path={tmp_path / 'runs'}",
-                                 "output.run_id=webpool", f"consistency.pool_path={sample_dir}",
+    cfg = load_config(overrides=[f"input.path={tmp_path / 'pairs.jsonl'}", *out.overrides, "output.run_id=webpool", f"consistency.pool_path={sample_dir}",
                                  "consistency.pool_size=1000"])
     s = filter_pairs(cfg).stats
-    run = tmp_path / "runs" / "webpool"
-    m = json.loads((run / "manifest.json").read_text())
+    m = out.json("webpool", "manifest.json")
     assert s["pool_size"] == 1000 and m["consistency"]["pool_source"] == str(sample_dir)
-    kept = {r["pair_id"] for r in pads.dataset(str(run / "pairs"), format="parquet").to_table().to_pylist()}
+    kept = {r["pair_id"] for r in out.table("webpool", "pairs").to_pylist()}
     true_rate = sum(k.startswith("true-") for k in kept) / 100
     shuffled_rate = sum(k.startswith("shuffled-") for k in kept) / 100
     print(f"web pool of 1000 sample passages: true pairs kept {true_rate:.2f}, shuffled {shuffled_rate:.2f}")

@@ -1,7 +1,9 @@
 """End to end: the Ray pipeline on the shipped sample (real default model, through the CLI as a user runs it) and on
 bad input (tiny model), checking schema, reconciliation and the group invariants (SPEC "Write")."""
 
+import io
 import json
+import os
 import subprocess
 import sys
 
@@ -9,7 +11,6 @@ import joblib
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
@@ -19,8 +20,14 @@ from pipeline.config import load_config
 from pipeline.mine import RunExistsError, mine
 
 
-def read_groups(run_dir) -> pa.Table:
-    return pads.dataset(str(run_dir / "groups"), format="parquet").to_table()
+def out_for(request, root: str):
+    """An ``Out`` at ``root`` (local) or at a fresh prefix of the test S3 bucket, by ``request.param``."""
+    from tests.conftest import Out
+
+    if request.param == "local":
+        return Out(root, None)
+    server = request.getfixturevalue("s3_server")
+    return Out(f"s3://pairmine-test/{request.fixturename}-{request.param}-{id(request)}", server.endpoint)
 
 
 def sample_docs(sample_dir) -> dict:
@@ -28,28 +35,33 @@ def sample_docs(sample_dir) -> dict:
     return dict(zip(t.column("id").to_pylist(), t.column("text").to_pylist()))
 
 
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """`pairmine mine` exactly as the README runs it (default model, shipped sample), in a fresh process."""
-    out = tmp_path_factory.mktemp("runs")
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--output", str(out), "--run-id", "sample"],
-                          capture_output=True, text=True, timeout=1200)
+@pytest.fixture(scope="module", params=["local", "s3"])
+def default_run(request, tmp_path_factory):
+    """`pairmine mine` exactly as the README runs it (default model, shipped sample), in a fresh process; into a
+    local folder, and into the test S3 server with the endpoint from the standard AWS_ENDPOINT_URL."""
+    o = out_for(request, str(tmp_path_factory.mktemp("runs")))
+    env = {**os.environ, **({"AWS_ENDPOINT_URL": o.endpoint} if o.is_s3 else {})}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--output", o.root, "--run-id", "sample"],
+                          capture_output=True, text=True, timeout=1200, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return out / "sample", proc
+    return o, proc
 
 
 def test_run_folder_layout(default_run):
-    run, proc = default_run
-    assert sorted(p.name for p in run.iterdir()) == ["_SUCCESS", "groups", "manifest.json", "stats.json", "tfidf.joblib"]
-    assert sorted(p.name for p in (run / "groups").iterdir()) == [f"part-0000{i}.parquet" for i in range(4)]
+    o, proc = default_run
+    assert o.names("sample") == ["_SUCCESS", "groups", "manifest.json", "stats.json", "tfidf.joblib"]
+    assert o.names("sample", "groups") == [f"part-0000{i}.parquet" for i in range(4)]
+    assert o.names() == ["_latest.json", "sample"]
+    latest = o.json("_latest.json")
+    assert latest["format"] == 1 and latest["run_id"] == "sample" and latest["groups"] == o.path("sample", "groups/")
     assert "run folder:" in proc.stdout and "documents: 827 in" in proc.stdout
-    assert pq.read_schema(run / "groups" / "part-00000.parquet").equals(GROUP_SCHEMA)
+    assert o.table("sample", "groups").schema.equals(GROUP_SCHEMA)
 
 
 def test_stats_reconcile_on_the_sample(default_run):
-    run, _ = default_run
-    s = json.loads((run / "stats.json").read_text())
-    groups = read_groups(run)
+    o, _ = default_run
+    s = o.json("sample", "stats.json")
+    groups = o.table("sample", "groups")
     assert s["docs_in"] == 827
     assert s["docs_in"] == s["docs_with_groups"] + s["docs_without_groups"] + sum(s["docs_skipped"].values())
     assert s["reconciled"] is True and s["docs_skipped_total"] == 0
@@ -75,11 +87,11 @@ def test_stats_reconcile_on_the_sample(default_run):
 
 
 def test_group_invariants(default_run, sample_dir):
-    run, _ = default_run
-    manifest = json.loads((run / "manifest.json").read_text())
+    o, _ = default_run
+    manifest = o.json("sample", "manifest.json")
     threshold = manifest["resolved"]["anchor_threshold"]
     docs = sample_docs(sample_dir)
-    rows = read_groups(run).to_pylist()
+    rows = o.table("sample", "groups").to_pylist()
     seen = set()
     for g in rows:
         passages = chunk_text(docs[g["doc_id"]]).passages  # the same document, chunked again
@@ -102,17 +114,18 @@ def test_group_invariants(default_run, sample_dir):
 
 
 def test_manifest_and_tfidf(default_run):
-    run, _ = default_run
-    m = json.loads((run / "manifest.json").read_text())
+    o, _ = default_run
+    m = o.json("sample", "manifest.json")
     assert [i["path"].rsplit("/", 1)[-1] for i in m["inputs"]] == [f"00{i}_00000.parquet" for i in range(4)]
+    assert all(i["fingerprint"].startswith("sha256:") and i["size"] > 0 for i in m["inputs"])
     assert all(sh["status"] == "committed" for sh in m["shards"])
-    assert sum(sh["groups"] for sh in m["shards"]) == json.loads((run / "stats.json").read_text())["groups"]
+    assert sum(sh["groups"] for sh in m["shards"]) == o.json("sample", "stats.json")["groups"]
     assert m["config"]["chunk"]["max_words"] == 120 and m["resolved"]["passage_prefix"] == ""
     assert m["consistency"]["enabled"] and m["consistency"]["pool_size"] == 5067 and m["consistency"]["k"] == 2
     assert m["versions"]["ray"] and m["versions"]["transformers"]
-    vec = joblib.load(run / "tfidf.joblib")
+    vec = joblib.load(io.BytesIO(o.storage.read_bytes(o.path("sample", "tfidf.joblib"))))
     assert len(vec.vocabulary_) == m["tfidf"]["vocabulary"] > 1000
-    assert (run / "_SUCCESS").read_text().strip() == "sample"
+    assert o.storage.read_bytes(o.path("sample", "_SUCCESS")).decode().strip() == "sample"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -139,15 +152,15 @@ def bad_input(tmp_path_factory, sample_dir):
     return d
 
 
-def test_bad_input_is_counted_and_never_crashes(bad_input, tiny_model_dir, tmp_path):
-    cfg = load_config(overrides=[f"input.path={bad_input}", f"output.path={tmp_path}", "output.run_id=bad",
+def test_bad_input_is_counted_and_never_crashes(bad_input, tiny_model_dir, out):
+    cfg = load_config(overrides=[f"input.path={bad_input}", *out.overrides, "output.run_id=bad",
                                  f"embed.model={tiny_model_dir}", "anchors.threshold=0.0"])
     s = mine(cfg).stats
     assert s["docs_in"] == 38 + 4
     assert s["docs_skipped"] == {"null_id": 1, "null_text": 1, "empty_text": 3, "duplicate_id": 2, "invalid_json": 1}
     assert s["docs_in"] == s["docs_with_groups"] + s["docs_without_groups"] + s["docs_skipped_total"]
     assert s["docs_truncated"] == 1 and s["passages_truncated"] == 1667 - 256  # the 1 MB single-line document
-    groups = read_groups(tmp_path / "bad").to_pylist()
+    groups = out.table("bad", "groups").to_pylist()
     by_doc = {}
     for g in groups:
         by_doc.setdefault(g["doc_id"], []).append(g)
@@ -158,17 +171,17 @@ def test_bad_input_is_counted_and_never_crashes(bad_input, tiny_model_dir, tmp_p
     assert "mixed" in by_doc  # control characters and mixed scripts are mined like any text
     assert "single" not in by_doc and s["docs_without_groups_by_reason"]["too_few_passages"] >= 1
     assert "j1" in by_doc  # the JSONL shard's real document is mined like the parquet ones
-    assert sorted(p.name for p in (tmp_path / "bad" / "groups").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
+    assert out.names("bad", "groups") == ["part-00000.parquet", "part-00001.parquet"]
 
 
-def test_same_input_gives_the_same_parts(tiny_model_dir, sample_dir, tmp_path):
+def test_same_input_gives_the_same_parts(tiny_model_dir, sample_dir, out):
     def run(run_id, batch):
-        cfg = load_config(overrides=[f"input.path={sample_dir}/00[01]_*.parquet", f"output.path={tmp_path}",
+        cfg = load_config(overrides=[f"input.path={sample_dir}/00[01]_*.parquet", *out.overrides,
                                      f"output.run_id={run_id}", f"embed.model={tiny_model_dir}",
                                      "embed.dtype=float32", "anchors.threshold=0.99", f"ray.docs_per_batch={batch}",
                                      "consistency.enabled=false"])
         mine(cfg)
-        return read_groups(tmp_path / run_id).drop_columns(["run_id"])
+        return out.table(run_id, "groups").drop_columns(["run_id"])
 
     a, b = run("first", 64), run("second", 17)  # different batching, same groups in the same order
     exact = ["group_id", "doc_id", "anchor_index", "anchor_text", "related_indices", "related_texts", "model"]
@@ -178,7 +191,7 @@ def test_same_input_gives_the_same_parts(tiny_model_dir, sample_dir, tmp_path):
         assert np.allclose(pc.list_flatten(a.column(col)).to_numpy(), pc.list_flatten(b.column(col)).to_numpy(), atol=1e-4)
     assert np.allclose(a.column("anchor_centrality").to_numpy(), b.column("anchor_centrality").to_numpy(), atol=1e-4)
     with pytest.raises(RunExistsError, match="already committed"):
-        mine(load_config(overrides=[f"output.path={tmp_path}", "output.run_id=first"]))
+        mine(load_config(overrides=[*out.overrides, "output.run_id=first"]))
 
 
 def test_cli_missing_text_column_is_a_clear_error(tmp_path):
@@ -196,16 +209,16 @@ def test_cli_bad_config_value_is_a_clear_error(tmp_path):
     assert proc.returncode == 2 and "chunk.max_words = 0 is not allowed" in proc.stderr
 
 
-def test_input_with_no_usable_document_completes(tiny_model_dir, tmp_path):
+def test_input_with_no_usable_document_completes(tiny_model_dir, tmp_path, out):
     pq.write_table(pa.table({"id": ["a", None, "c", "c"], "text": ["", "text", None, "Too short."]}), tmp_path / "x.parquet")
-    cfg = load_config(overrides=[f"input.path={tmp_path / 'x.parquet'}", f"output.path={tmp_path / 'runs'}",
+    cfg = load_config(overrides=[f"input.path={tmp_path / 'x.parquet'}", *out.overrides,
                                  "output.run_id=empty", f"embed.model={tiny_model_dir}"])
     s = mine(cfg).stats
     assert s["docs_in"] == 4 and s["groups"] == 0 and s["reconciled"]
     assert s["docs_skipped"]["empty_text"] == 1 and s["docs_skipped"]["null_id"] == 1
     assert s["docs_skipped"]["null_text"] == 1 and s["docs_skipped"]["duplicate_id"] == 1
-    assert (tmp_path / "runs" / "empty" / "_SUCCESS").exists()
-    assert pq.read_table(tmp_path / "runs" / "empty" / "groups" / "part-00000.parquet").num_rows == 0
+    assert out.exists("empty", "_SUCCESS")
+    assert out.names("empty", "groups") == ["part-00000.parquet"] and out.table("empty", "groups").num_rows == 0
 
 
 def test_cli_unknown_model_fails_before_any_work(tmp_path):
@@ -243,17 +256,16 @@ def test_cli_user_errors_are_one_line(tmp_path, case):
     assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []  # no half-made run folder
 
 
-def test_consistency_side_output_holds_every_dropped_group(tiny_model_dir, sample_dir, tmp_path):
-    cfg = load_config(overrides=[f"input.path={sample_dir}/000_*.parquet", f"output.path={tmp_path}", "output.run_id=audit",
+def test_consistency_side_output_holds_every_dropped_group(tiny_model_dir, sample_dir, out):
+    cfg = load_config(overrides=[f"input.path={sample_dir}/000_*.parquet", *out.overrides, "output.run_id=audit",
                                  f"embed.model={tiny_model_dir}", "anchors.threshold=0.99", "consistency.k=1",
                                  "consistency.side_output=true", "consistency.pool_size=300"])
     s = mine(cfg).stats
-    run = tmp_path / "audit"
-    kept = read_groups(run).to_pylist()
-    dropped = pads.dataset(str(run / "dropped"), format="parquet").to_table().to_pylist()
+    kept = out.table("audit", "groups").to_pylist()
+    dropped = out.table("audit", "dropped").to_pylist()
     assert len(kept) == s["groups"] and len(dropped) == s["groups_dropped_consistency"] > 0
     assert len(kept) + len(dropped) == s["groups_mined"]
     assert all(g["n_above"] < 1 for g in kept) and all(g["n_above"] >= 1 for g in dropped)
     assert all(g["pool_size"] == 300 and g["consistency_k"] == 1 for g in kept + dropped)
     assert not {g["group_id"] for g in kept} & {g["group_id"] for g in dropped}
-    assert json.loads((run / "manifest.json").read_text())["consistency"]["side_output"] == "dropped/"
+    assert out.json("audit", "manifest.json")["consistency"]["side_output"] == "dropped/"

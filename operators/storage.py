@@ -1,0 +1,263 @@
+"""One storage layer for local paths and object storage (``s3://``), used by every read and write of a run.
+
+Paths go through fsspec (s3fs for ``s3://``). :class:`Storage` carries the options of the object store (endpoint,
+region and, only when given in config, credentials) to every Ray task, and wraps each I/O operation in
+:meth:`Storage.retry`: errors known to be transient (throttling, connection refused or reset, timeouts, HTTP 5xx)
+are retried with bounded exponential backoff; every other error fails at once, with the path in its message
+(STYLE practice 6: "retry only errors known to be transient").
+
+Endpoint and credentials come, in this order, from the config (``[storage]``), else the standard AWS environment
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``,
+``AWS_DEFAULT_REGION``), which s3fs/botocore read themselves. Credentials are never written into a manifest, a log
+line or an error message: :meth:`Storage.__repr__` and :func:`redact` hide them.
+
+Atomic publication: on a local disk a file is written under a hidden temporary name (``.name.tmp-<uuid>``) in the
+target folder and renamed; on an object store a PUT (or a completed multipart upload) makes an object visible only
+when it is complete, so the file is written under its final name directly (S3 has no atomic rename; copy + delete
+could leave a visible temporary object behind a kill).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, TypeVar
+
+log = logging.getLogger("pairmine")
+T = TypeVar("T")
+
+# S3 error codes that mean "try again later" (AWS docs, "Error responses"; throttling codes of other S3 servers).
+TRANSIENT_S3_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "RequestTimeout",
+    "RequestTimeoutException", "InternalError", "ServiceUnavailable", "503", "500", "502", "504", "429",
+})
+TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
+                              errno.EHOSTUNREACH, errno.ENETUNREACH, getattr(errno, "EREMOTEIO", errno.EIO)})
+_SECRET_KEYS = ("key", "secret", "token", "access_key_id", "secret_access_key", "session_token", "password")
+
+
+class StorageError(OSError):
+    """A storage operation failed for good (not transient, or still failing after the retries); the message names
+    the operation and the path, never a credential."""
+
+
+def is_transient(error: BaseException) -> bool:
+    """True for errors worth retrying: connection refused/reset/closed, timeouts, throttling and HTTP 5xx/429 from
+    an object store. Looks through ``__cause__``/``__context__`` (s3fs wraps botocore errors in OSError)."""
+    seen = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
+            return False
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        name = type(e).__name__
+        module = type(e).__module__ or ""
+        if module.startswith(("botocore", "aiohttp", "urllib3")) and (
+            "Connection" in name or "Timeout" in name or name in ("IncompleteRead", "ResponseParserError",
+                                                                  "ClientPayloadError", "ServerDisconnectedError")
+        ):
+            return True
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if code in TRANSIENT_S3_CODES or status >= 500 or status == 429:
+                return True
+        if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
+            return True
+        if any(code in str(e) for code in ("SlowDown", "ServiceUnavailable", "reduce your request rate")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def redact(value):
+    """A copy of ``value`` (dict/list/scalar) with every credential-like entry replaced by ``"***"`` when set."""
+    if isinstance(value, dict):
+        return {k: ("***" if any(s in str(k).lower() for s in _SECRET_KEYS) and v else redact(v)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(v) for v in value)
+    return value
+
+
+def is_local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Filesystem access with retries, picklable (it travels into Ray tasks).
+
+    Args:
+        endpoint_url: S3 endpoint (e.g. ``http://127.0.0.1:8333``); empty: ``$AWS_ENDPOINT_URL`` or AWS.
+        region: S3 region; empty: the AWS environment's.
+        access_key_id, secret_access_key, session_token: only when not taken from the environment or a profile.
+        attempts: tries of one operation before it fails (1 = no retry).
+        backoff_s: first wait; it doubles per try (with jitter) up to ``backoff_max_s``.
+    """
+
+    endpoint_url: str = ""
+    region: str = ""
+    access_key_id: str = field(default="", repr=False)
+    secret_access_key: str = field(default="", repr=False)
+    session_token: str = field(default="", repr=False)
+    attempts: int = 8
+    backoff_s: float = 0.5
+    backoff_max_s: float = 20.0
+
+    def __repr__(self) -> str:  # never show credentials (Ray prints task arguments in some errors)
+        return (f"Storage(endpoint_url={self.endpoint_url!r}, region={self.region!r}, attempts={self.attempts}, "
+                f"credentials={'from config' if self.access_key_id else 'from the environment'})")
+
+    def options(self, path: str) -> dict:
+        """fsspec storage options for ``path`` (empty for local paths)."""
+        if is_local(path) or not path.startswith(("s3://", "s3a://")):
+            return {}
+        opts: dict = {}
+        if self.endpoint_url:
+            opts["endpoint_url"] = self.endpoint_url
+        if self.region:
+            opts["client_kwargs"] = {"region_name": self.region}
+        if self.access_key_id:
+            opts["key"], opts["secret"] = self.access_key_id, self.secret_access_key
+            if self.session_token:
+                opts["token"] = self.session_token
+        # botocore's own retries stay short; the backoff that rides out an outage is ours (retry()).
+        opts["config_kwargs"] = {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5,
+                                 "read_timeout": 60}
+        return opts
+
+    def fs(self, path: str):
+        """(fsspec filesystem, path without protocol) for ``path``."""
+        import fsspec
+
+        return fsspec.core.url_to_fs(path, **self.options(path))
+
+    def retry(self, what: str, path: str, fn: Callable[[], T]) -> T:
+        """Run ``fn()``; retry transient errors with bounded backoff, fail at once on any other.
+
+        Raises:
+            FileNotFoundError: as raised (never retried).
+            StorageError: ``what`` failed on ``path``: any other OSError (permission denied included) or error of
+                the S3 client (no credentials, ...), at once; a transient error after ``attempts`` tries. The
+                message names the path.
+            Exception: errors that are not about storage (a missing column, a corrupt file) are re-raised as they
+                are, at once.
+        """
+        wait = self.backoff_s
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return fn()
+            except (FileNotFoundError, StorageError):
+                raise
+            except Exception as e:  # classified below: transient ones are retried, the rest fail at once
+                transient = is_transient(e)
+                if transient and attempt < self.attempts:
+                    _invalidate(path, self)
+                    sleep = min(wait, self.backoff_max_s) * (0.75 + 0.5 * random.random())
+                    log.warning("%s %s: transient error (%s), retry %d/%d in %.1f s", what, path, type(e).__name__,
+                                attempt, self.attempts - 1, sleep)
+                    time.sleep(sleep)
+                    wait *= 2
+                    continue
+                storage_side = type(e).__module__.split(".")[0] in ("botocore", "aiobotocore", "s3fs", "aiohttp")
+                if transient or isinstance(e, OSError) or storage_side:
+                    detail = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    tries = f" after {attempt} tries" if transient else ""
+                    raise StorageError(f"{what} {path} failed{tries}: {detail}") from e
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ---- the operations a run uses ---------------------------------------------------------------------------
+    def read_bytes(self, path: str) -> bytes:
+        fs, p = self.fs(path)
+        return self.retry("read", path, lambda: fs.cat_file(p))
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
+        fs, p = self.fs(path)
+
+        def put():
+            if is_local(path):
+                folder, name = p.rsplit("/", 1) if "/" in p else (".", p)
+                fs.makedirs(folder, exist_ok=True)
+                tmp = f"{folder}/.{name}.tmp-{uuid.uuid4().hex}"
+                with fs.open(tmp, "wb") as f:
+                    f.write(data)
+                fs.mv(tmp, p)
+            else:
+                fs.pipe_file(p, data)
+
+        self.retry("write", path, put)
+
+    def info(self, path: str) -> dict | None:
+        """fsspec info of ``path`` (``type`` is ``file`` or ``directory``), None when it does not exist. Unlike
+        ``fs.exists``/``fs.isfile``, which answer False when the store cannot be reached, errors are raised."""
+        fs, p = self.fs(path)
+
+        def info():
+            try:
+                return fs.info(p)
+            except FileNotFoundError:
+                return None
+
+        return self.retry("check", path, info)
+
+    def exists(self, path: str) -> bool:
+        return self.info(path) is not None
+
+    def ls(self, path: str) -> list[str]:
+        """Full paths (with the URL's protocol) of the entries directly under folder ``path``; [] if it is missing."""
+        fs, p = self.fs(path)
+
+        def listing():
+            fs.invalidate_cache(p)
+            try:
+                return fs.ls(p, detail=False)
+            except FileNotFoundError:
+                return []
+
+        return [self.url(path, q) for q in self.retry("list", path, listing)]
+
+    def rm(self, path: str) -> None:
+        """Remove a file or a folder tree; a missing path is fine."""
+        fs, p = self.fs(path)
+
+        def remove():
+            fs.invalidate_cache(p)
+            try:
+                fs.rm(p, recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self.retry("remove", path, remove)
+
+    def makedirs(self, path: str) -> None:
+        if is_local(path):
+            fs, p = self.fs(path)
+            self.retry("create folder", path, lambda: fs.makedirs(p, exist_ok=True))
+
+    @staticmethod
+    def url(like: str, path: str) -> str:
+        """``path`` (protocol stripped by fsspec) with the protocol of ``like`` put back."""
+        if is_local(like):
+            return path
+        proto = like.split("://", 1)[0]
+        return path if "://" in path else f"{proto}://{path}"
+
+
+def _invalidate(path: str, storage: Storage) -> None:
+    try:
+        fs, p = storage.fs(path)
+        fs.invalidate_cache(p)
+    except Exception:  # cache invalidation is best effort before a retry
+        pass
+
+
+LOCAL = Storage()

@@ -1,0 +1,469 @@
+"""``pairmine report RUN``: a static HTML page with PNG plots (matplotlib, Agg) about one mined run.
+
+Plots come from the run's ``stats.json`` (centrality histogram with the anchor threshold, groups per document,
+passage and document coverage, the consistency filter's n_above histogram and keep rate). Example tables, like the
+paper's Table 5 (seed 000), come from the groups of a seeded sample of documents: the anchor with its centrality,
+its related passages with dense, TF-IDF and RRF scores, and the passages never used by any kept group.
+
+Passages never used are not in the run's output (only groups are written), so the report finds them by re-reading
+the sampled documents from the run's input (``manifest.json``: inputs, id/text columns, chunk settings), chunking
+them again with the mine operator (deterministic) and, for their centrality, embedding them again with the run's
+model and prefix. Each document's re-chunked passages are checked against the run's anchor and related texts, and
+the recomputed anchor centralities against the stored ones; the page shows both checks. Where the input or the
+model is not available, the page says so and shows what the groups alone allow.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.evaluate import EvalInputError
+
+log = logging.getLogger("pairmine")
+
+# The paper's figures on FineWeb with E5 (seed 000): % documents with groups, groups per document, % passages covered.
+PAPER = {"docs_with_groups_pct": 99.0, "groups_per_doc": 7.0, "passage_coverage_pct": 68.0}
+PLOTS = ("centrality.png", "groups_per_doc.png", "coverage.png", "n_above.png")
+TEXT_CHARS = 320
+_CREDENTIALS = ("access_key_id", "secret_access_key", "session_token")  # passage characters shown in the tables (the full text is in the cell's title)
+
+
+@dataclass
+class ReportResult:
+    """What :func:`build_report` returns: the HTML file, the PNG files, the sampled documents and notes shown on
+    the page (re-chunking/re-embedding checks, what could not be done and why)."""
+
+    html: str
+    pngs: list[str]
+    docs: list[dict]
+    notes: list[str] = field(default_factory=list)
+
+
+def _load_run(run: Path) -> tuple[dict, dict]:
+    if not run.is_dir():
+        raise EvalInputError(f"run folder {run} does not exist")
+    if not (run / "_SUCCESS").is_file():
+        raise EvalInputError(f"{run} is not a committed run folder (no _SUCCESS marker; the run failed, is still "
+                             "running, or this is not a pairmine run)")
+    try:
+        stats = json.loads((run / "stats.json").read_text())
+        manifest = json.loads((run / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        raise EvalInputError(f"run {run}: cannot read stats.json/manifest.json: {e}") from None
+    return stats, manifest
+
+
+def _config(manifest: dict):
+    from pipeline.config import ConfigError, MineConfig
+
+    cfg = MineConfig()
+    try:
+        for section, values in manifest.get("config", {}).items():
+            for key, value in values.items():
+                if section == "storage" and key in _CREDENTIALS:
+                    continue  # redacted in the manifest: the environment (or the defaults) provide them
+                cfg.set(f"{section}.{key}", value)
+    except ConfigError as e:
+        raise EvalInputError(f"the run's manifest.json holds a config this pairmine cannot read: {e}") from None
+    return cfg
+
+
+# ---- plots ---------------------------------------------------------------------------------------------------------
+
+def _figure(width: float = 6.4, height: float = 3.4):
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; also what Figure.savefig uses
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def plot_centrality(stats: dict, threshold: float, path: Path) -> None:
+    """Bar chart of stats.json's centrality histogram (all passages) with the anchor threshold as a line."""
+    h = stats["centrality_histogram"]
+    edges, counts = np.asarray(h["bin_edges"], dtype=float), np.asarray(h["counts"], dtype=float)
+    fig, ax = _figure()
+    nz = np.flatnonzero(counts)
+    lo = edges[nz[0]] if len(nz) else 0.0
+    lo = max(-1.0, min(lo, threshold - 0.1))
+    keep = edges[:-1] >= lo - 1e-9
+    colours = ["#3b7dd8" if e >= threshold - 1e-9 else "#b0b7c3" for e in edges[:-1][keep]]
+    ax.bar(edges[:-1][keep], counts[keep], width=np.diff(edges)[keep], align="edge", color=colours, edgecolor="white")
+    ax.axvline(threshold, color="#d62728", lw=2, label=f"anchor threshold {threshold:.3f}")
+    ax.set_xlabel("centrality = cos(passage, document mean)")
+    ax.set_ylabel("passages")
+    ax.set_title(f"Centrality of {stats.get('passages', int(counts.sum()))} passages; "
+                 f"{stats.get('anchor_rate_pct', 0):.1f}% are anchors")
+    ax.legend(loc="upper left")
+    fig.savefig(path)
+
+
+def plot_groups_per_doc(stats: dict, path: Path) -> None:
+    """Processed documents by number of kept groups (0 = no group); the last bar counts 32 or more."""
+    counts = np.asarray(stats["groups_per_doc_histogram"]["counts"], dtype=float)
+    last = int(np.flatnonzero(counts)[-1]) if counts.any() else 0
+    fig, ax = _figure()
+    x = np.arange(last + 1)
+    ax.bar(x, counts[: last + 1], color=["#b0b7c3"] + ["#3b7dd8"] * last, edgecolor="white")
+    ax.axvline(stats.get("groups_per_doc", 0), color="#d62728", lw=2,
+               label=f"mean over documents with groups: {stats.get('groups_per_doc', 0):.2f}")
+    ax.set_xlabel("groups in the document (last bin: 32 or more)")
+    ax.set_ylabel("documents")
+    ax.set_title(f"Groups per document ({stats.get('docs_with_groups', 0)} of {stats.get('docs_processed', 0)} "
+                 "documents have groups)")
+    ax.legend(loc="upper right")
+    fig.savefig(path)
+
+
+def plot_coverage(stats: dict, path: Path) -> None:
+    """Two stacked bars: passages used in a kept group vs never used; documents by outcome."""
+    fig, ax = _figure(6.4, 3.4)
+    used, total = stats.get("passages_in_groups", 0), max(stats.get("passages", 0), 1)
+    by = stats.get("docs_without_groups_by_reason", {})
+    docs_in = max(stats.get("docs_in", 0), 1)
+    rows = [
+        ("passages", [("in a kept group", used, "#3b7dd8"), ("never used", total - used, "#b0b7c3")], total),
+        ("documents", [("with groups", stats.get("docs_with_groups", 0), "#3b7dd8"),
+                       ("too few passages", by.get("too_few_passages", 0), "#7f8a9b"),
+                       ("no anchor", by.get("no_anchor", 0), "#f0a04b"),
+                       ("all groups dropped by the consistency filter", by.get("consistency_filter", 0), "#d62728"),
+                       ("no passages", by.get("no_passages", 0), "#8c564b"),
+                       ("skipped (read)", stats.get("docs_skipped_total", 0), "#555555")], docs_in),
+    ]
+    seen = set()
+    for y, (name, parts, denom) in enumerate(rows):
+        left = 0.0
+        for label, n, colour in parts:
+            share = 100.0 * n / denom
+            if n:
+                ax.barh(y, share, left=left, color=colour, edgecolor="white",
+                        label=None if label in seen else label)
+                seen.add(label)
+                if share >= 8:
+                    ax.text(left + share / 2, y, f"{share:.1f}%", ha="center", va="center", color="white", fontsize=9)
+            left += share
+    ax.axvline(PAPER["passage_coverage_pct"], ymin=0.5, color="black", ls="--", lw=1, label="paper: 68% of passages")
+    ax.set_yticks([0, 1], ["passages", "documents"])
+    ax.set_xlim(0, 100)
+    ax.invert_yaxis()
+    ax.set_xlabel("% of passages / % of input documents")
+    ax.set_title(f"Passage coverage {stats.get('passage_coverage_pct', 0):.1f}%")
+    fig.legend(loc="outside lower center", ncol=3, fontsize=8, frameon=False)
+    fig.savefig(path)
+
+
+def plot_n_above(stats: dict, k: int | None, path: Path) -> None:
+    """The consistency filter's n_above histogram (mined groups), bars with n_above < k (kept) in colour."""
+    h = stats["n_above_histogram"]
+    edges, counts = h["bin_edges"], np.asarray(h["counts"], dtype=float)
+    labels = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        labels.append(str(lo) if hi == "inf" or hi == lo + 1 else f"{lo}-{hi - 1}")
+    labels[-1] = f"{edges[-2]}+"
+    fig, ax = _figure()
+    kept = [k is not None and isinstance(e, int) and e < k for e in edges[:-1]]
+    ax.bar(np.arange(len(counts)), counts, color=["#3b7dd8" if c else "#d62728" for c in kept], edgecolor="white")
+    ax.set_xticks(np.arange(len(counts)), labels, rotation=45, fontsize=8)
+    ax.set_xlabel("n_above = pool passages of other documents\nwith cos(anchor, p) > s = cos(anchor, s1)")
+    ax.set_ylabel("mined groups")
+    if stats.get("consistency_enabled", True) and k is not None:
+        ax.set_title(f"Consistency filter (k = {k}): kept {stats.get('groups', 0)} of {stats.get('groups_mined', 0)} "
+                     f"groups ({stats.get('consistency_keep_rate_pct', 0):.1f}%)")
+    else:
+        ax.set_title("Consistency filter was off for this run")
+    fig.savefig(path)
+
+
+# ---- examples --------------------------------------------------------------------------------------------------------
+
+def _read_groups(run: Path) -> list[tuple[int, "object"]]:
+    import pyarrow.parquet as pq
+
+    parts = sorted((run / "groups").glob("part-*.parquet"))
+    if not parts:
+        raise EvalInputError(f"run {run} has no groups/part-*.parquet")
+    return [(int(p.stem.split("-")[1]), pq.read_table(p)) for p in parts]
+
+
+def _find_texts(shard: dict, id_column: str, text_column: str, ids: set[str], storage) -> dict[str, str]:
+    """The text of each of ``ids`` in one input shard (first occurrence, like the read stage)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from operators.read import open_input, read_jsonl_records
+
+    found: dict[str, str] = {}
+    if shard["format"] == "parquet":
+        with open_input(shard["path"], storage) as f:
+            t = pq.read_table(f, columns=[id_column, text_column])
+        id_col = pc.cast(t.column(id_column), pa.string())
+        mask = pc.is_in(id_col, value_set=pa.array(sorted(ids), pa.string()))
+        rows = t.filter(mask)
+        for i, text in zip(pc.cast(rows.column(id_column), pa.string()).to_pylist(), rows.column(text_column).to_pylist()):
+            found.setdefault(i, text)
+    else:
+        records, _ = read_jsonl_records(shard["path"], storage)
+        for r in records:
+            if r is not None and r.get(id_column) is not None and str(r.get(id_column)) in ids:
+                found.setdefault(str(r[id_column]), r.get(text_column))
+    return found
+
+
+def sample_documents(run: Path, manifest: dict, examples: int, seed: int, groups_per_doc: int, reembed: bool,
+                     notes: list[str]) -> list[dict]:
+    """Seeded sample of documents with groups, each with its groups and (when its text can be re-read) every
+    passage's index, text, centrality and whether a kept group used it.
+
+    Returns:
+        One dict per document: doc_id, url, groups (up to ``groups_per_doc`` rows of the run), n_groups, passages
+        (list of {index, text, centrality or None, used}) or None, check (text of the re-chunk check).
+    """
+    from operators.centrality import centrality
+    from operators.chunk import chunk_text
+
+    parts = _read_groups(run)
+    by_doc: dict[str, dict] = {}
+    for shard_index, table in parts:
+        for row in table.to_pylist():
+            d = by_doc.setdefault(row["doc_id"], {"doc_id": row["doc_id"], "url": row["url"], "shard": shard_index,
+                                                  "rows": []})
+            d["rows"].append(row)
+    ids = sorted(by_doc)
+    rng = np.random.default_rng(seed)
+    chosen = [ids[i] for i in sorted(rng.choice(len(ids), size=min(examples, len(ids)), replace=False))] if ids else []
+    docs = [by_doc[i] for i in chosen]
+    for d in docs:
+        d["rows"].sort(key=lambda r: r["anchor_index"])
+        d["n_groups"] = len(d["rows"])
+        d["passages"] = None
+        d["check"] = ""
+    if not docs:
+        notes.append("the run has no group, so there is no example")
+        return docs
+
+    cfg = _config(manifest)
+    shards = {s["shard_index"]: s for s in manifest.get("inputs", [])}
+    texts: dict[str, str] = {}
+    for shard_index in sorted({d["shard"] for d in docs}):
+        shard = shards.get(shard_index)
+        want = {d["doc_id"] for d in docs if d["shard"] == shard_index}
+        try:
+            texts.update(_find_texts(shard, cfg.input.id_column, cfg.input.text_column, want, cfg.storage_layer())
+                         if shard else {})
+        except Exception as e:  # a moved/removed input: the page says so instead of failing
+            notes.append(f"input shard {shard_index} ({shard['path'] if shard else '?'}) could not be read again "
+                         f"({type(e).__name__}: {e}); its documents show their groups only")
+    c = cfg.chunk
+    for d in docs:
+        text = texts.get(d["doc_id"])
+        if not isinstance(text, str):
+            d["check"] = "document text not found in the run's input: groups only"
+            continue
+        passages = chunk_text(text, c.max_words, c.min_words, c.max_passages).passages
+        ok = all(r["anchor_index"] < len(passages) and passages[r["anchor_index"]] == r["anchor_text"]
+                 and all(j < len(passages) and passages[j] == t for j, t in zip(r["related_indices"], r["related_texts"]))
+                 for r in d["rows"])
+        if not ok:
+            d["check"] = "re-chunking the input does not give the run's passages (input or chunk settings changed): groups only"
+            continue
+        used = {r["anchor_index"] for r in d["rows"]} | {j for r in d["rows"] for j in r["related_indices"]}
+        d["passages"] = [{"index": i, "text": p, "centrality": None, "used": i in used} for i, p in enumerate(passages)]
+        d["check"] = f"re-chunked: {len(passages)} passages, anchor and related texts identical to the run's"
+
+    if reembed and any(d["passages"] for d in docs):
+        from pipeline.evaluate import make_embedder
+        from pipeline.mine import check_model
+
+        try:
+            check_model(cfg)
+            embedder = make_embedder(cfg)
+            with_text = [d for d in docs if d["passages"]]
+            flat = [p["text"] for d in with_text for p in d["passages"]]
+            matrix = embedder.encode(flat)  # (total_passages, dim), the run's model and passage prefix
+        except Exception as e:
+            notes.append(f"the run's model {cfg.embed.model or 'default'} could not embed the passages again "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); centrality of unused "
+                         "passages not shown")
+        else:
+            lo, worst = 0, 0.0
+            for d in with_text:
+                n = len(d["passages"])
+                cent = centrality(matrix[lo : lo + n])  # (n,)
+                lo += n
+                for p, v in zip(d["passages"], cent.tolist()):
+                    p["centrality"] = v
+                for r in d["rows"]:
+                    worst = max(worst, abs(cent[r["anchor_index"]] - r["anchor_centrality"]))
+            notes.append(f"centrality recomputed with {cfg.embed.model or 'the default model'} for the sampled "
+                         f"documents; largest difference to the run's stored anchor centrality: {worst:.4f}")
+    elif not reembed:
+        notes.append("--no-reembed: passages never used are listed without their centrality")
+    for d in docs:
+        d["groups"] = d.pop("rows")[:groups_per_doc]
+    return docs
+
+
+# ---- HTML ----------------------------------------------------------------------------------------------------------
+
+_CSS = """
+body{font-family:system-ui,-apple-system,"DejaVu Sans",sans-serif;margin:24px auto;max-width:1180px;color:#1d2330;
+line-height:1.4}
+h1{font-size:1.5em;margin-bottom:0}h2{margin-top:1.8em;border-bottom:1px solid #d8dde6}
+.sub{color:#5b6577;margin-top:4px}
+table{border-collapse:collapse;margin:8px 0 16px 0;font-size:0.9em;width:100%}
+th,td{border:1px solid #d8dde6;padding:4px 7px;text-align:left;vertical-align:top}
+th{background:#eef2f8}td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+.figs{display:grid;grid-template-columns:1fr 1fr;gap:12px}.figs img{width:100%;border:1px solid #d8dde6}
+tr.anchor td{background:#e8f0fc}tr.unused td{color:#5b6577}.tag{font-size:0.8em;color:#5b6577}
+.note{background:#fff8e6;border-left:4px solid #f0a04b;padding:6px 10px;margin:6px 0}
+table.summary{width:auto}
+"""
+
+
+def _short(text: str) -> str:
+    t = " ".join(str(text).split())
+    cut = t if len(t) <= TEXT_CHARS else t[:TEXT_CHARS].rsplit(" ", 1)[0] + " …"
+    return f'<span title="{html.escape(t)}">{html.escape(cut)}</span>'
+
+
+def _num(v, fmt: str = "{:.3f}") -> str:
+    return "" if v is None else fmt.format(v)
+
+
+def _summary_rows(stats: dict, manifest: dict) -> list[tuple[str, str, str]]:
+    res = manifest.get("resolved", {})
+    cons = manifest.get("consistency", {})
+    rows = [
+        ("model", html.escape(str(res.get("model", ""))), ""),
+        ("passage prefix", html.escape(repr(res.get("passage_prefix", ""))), ""),
+        ("anchor threshold (centrality)", _num(stats.get("anchor_threshold")), "0.825 with E5"),
+        ("documents in / processed / skipped",
+         f"{stats.get('docs_in', 0)} / {stats.get('docs_processed', 0)} / {stats.get('docs_skipped_total', 0)}", ""),
+        ("documents with groups, % of processed", f"{stats.get('docs_with_groups', 0)} "
+         f"({stats.get('docs_with_groups_pct', 0):.1f}%)", "99%"),
+        ("documents with groups, % of those with enough passages",
+         f"{stats.get('docs_with_groups_pct_of_eligible', 0):.1f}%", ""),
+        ("groups (kept) / groups per document with groups",
+         f"{stats.get('groups', 0)} / {stats.get('groups_per_doc', 0):.2f}", "7.0 per document"),
+        ("passages / anchors (anchor rate)",
+         f"{stats.get('passages', 0)} / {stats.get('anchors', 0)} ({stats.get('anchor_rate_pct', 0):.1f}%)", ""),
+        ("passage coverage (in a kept group)", f"{stats.get('passage_coverage_pct', 0):.1f}%", "68%"),
+    ]
+    if stats.get("consistency_enabled", True):
+        rows.append(("consistency filter: pool P, k, groups kept",
+                     f"P = {cons.get('pool_size')}, k = {cons.get('k')}; {stats.get('groups', 0)} of "
+                     f"{stats.get('groups_mined', 0)} ({stats.get('consistency_keep_rate_pct', 0):.1f}%)",
+                     "P = 1,000,000, k = 2 (E5)"))
+    else:
+        rows.append(("consistency filter", "off", ""))
+    return rows
+
+
+def _doc_html(d: dict, threshold: float) -> str:
+    out = [f"<h3>{html.escape(str(d['doc_id']))}</h3>"]
+    if d.get("url"):
+        out.append(f'<div class="sub">{html.escape(d["url"])}</div>')
+    out.append(f'<div class="sub">{d["n_groups"]} group(s) in this document'
+               f'{", first " + str(len(d["groups"])) + " shown" if len(d["groups"]) < d["n_groups"] else ""}; '
+               f'{html.escape(d["check"])}</div>')
+    for g in d["groups"]:
+        out.append("<table><tr><th>role</th><th>passage</th><th>text</th><th>centrality</th><th>dense</th>"
+                   "<th>TF-IDF</th><th>RRF</th></tr>")
+        extra = "" if g.get("s") is None else f'<br><span class="tag">s = {g["s"]:.3f}, n_above = {g["n_above"]}</span>'
+        out.append(f'<tr class="anchor"><td>anchor{extra}</td><td class="n">{g["anchor_index"]}</td>'
+                   f'<td>{_short(g["anchor_text"])}</td><td class="n">{g["anchor_centrality"]:.3f}</td>'
+                   "<td></td><td></td><td></td></tr>")
+        cent = {p["index"]: p["centrality"] for p in d["passages"]} if d["passages"] else {}
+        for rank, (j, t, dn, tf, rr) in enumerate(zip(g["related_indices"], g["related_texts"], g["related_dense"],
+                                                      g["related_tfidf"], g["related_rrf"]), start=1):
+            role = "related 1 (positive, s1)" if rank == 1 else f"related {rank}"
+            out.append(f'<tr><td>{role}</td><td class="n">{j}</td><td>{_short(t)}</td>'
+                       f'<td class="n">{_num(cent.get(j))}</td><td class="n">{dn:.3f}</td><td class="n">{tf:.3f}</td>'
+                       f'<td class="n">{rr:.4f}</td></tr>')
+        out.append("</table>")
+    if d["passages"] is not None:
+        unused = [p for p in d["passages"] if not p["used"]]
+        out.append(f"<p><b>Passages never used</b> (neither anchor nor related passage of a kept group): "
+                   f"{len(unused)} of {len(d['passages'])}</p>")
+        if unused:
+            out.append("<table><tr><th>passage</th><th>text</th><th>centrality</th><th></th></tr>")
+            for p in unused:
+                c = p["centrality"]
+                tag = ("above the threshold: an anchor whose group the consistency filter dropped"
+                       if c is not None and c >= threshold else "")
+                out.append(f'<tr class="unused"><td class="n">{p["index"]}</td><td>{_short(p["text"])}</td>'
+                           f'<td class="n">{_num(c)}</td><td class="tag">{tag}</td></tr>')
+            out.append("</table>")
+    return "\n".join(out)
+
+
+def build_report(run: str, output: str = "", examples: int = 5, seed: int = 0, groups_per_doc: int = 1,
+                 reembed: bool = True) -> ReportResult:
+    """Write ``report.html`` and its PNG plots for a committed run folder.
+
+    Args:
+        run: local run folder (``<output>/<run_id>`` of ``pairmine mine``).
+        output: folder for the page and plots; empty: ``<run>/report``.
+        examples: documents with groups sampled for the example tables (seeded by ``seed``).
+        groups_per_doc: groups shown per sampled document (all its unused passages are shown).
+        reembed: embed the sampled documents' passages again to show the centrality of unused passages.
+
+    Returns:
+        :class:`ReportResult`.
+
+    Raises:
+        EvalInputError: the run folder is missing, not committed, or its files cannot be read.
+    """
+    run_dir = Path(run)
+    stats, manifest = _load_run(run_dir)
+    out = Path(output) if output else run_dir / "report"
+    if out.exists() and not out.is_dir():
+        raise EvalInputError(f"--output {out} is a file; it must be a folder (created if missing)")
+    out.mkdir(parents=True, exist_ok=True)
+    threshold = float(stats.get("anchor_threshold", manifest.get("resolved", {}).get("anchor_threshold", 0.0)))
+    k = manifest.get("consistency", {}).get("k") if stats.get("consistency_enabled", True) else None
+    plot_centrality(stats, threshold, out / "centrality.png")
+    plot_groups_per_doc(stats, out / "groups_per_doc.png")
+    plot_coverage(stats, out / "coverage.png")
+    plot_n_above(stats, k, out / "n_above.png")
+    notes: list[str] = []
+    docs = sample_documents(run_dir, manifest, examples, seed, groups_per_doc, reembed, notes)
+
+    rows = "\n".join(f'<tr><td>{a}</td><td class="n">{b}</td><td class="n">{c}</td></tr>'
+                     for a, b, c in _summary_rows(stats, manifest))
+    figs = "\n".join(f'<img src="{p}" alt="{p[:-4].replace("_", " ")}">' for p in PLOTS)
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>pairmine report: {html.escape(str(stats.get('run_id', run_dir.name)))}</title>
+<style>{_CSS}</style></head><body>
+<h1>pairmine run {html.escape(str(stats.get('run_id', run_dir.name)))}</h1>
+<div class="sub">{html.escape(str(run_dir.resolve()))} &middot; created {html.escape(str(manifest.get('created_utc', '')))}
+&middot; {len(manifest.get('inputs', []))} input shard(s)</div>
+<h2>Figures</h2>
+<table class="summary"><tr><th></th><th>this run</th><th>paper (seed 000, E5 on FineWeb)</th></tr>
+{rows}
+</table>
+<div class="figs">
+{figs}
+</div>
+<h2>Examples</h2>
+<p>{len(docs)} documents with groups, sampled with seed {seed}. Scores: <b>centrality</b> = cos(passage, document
+mean); <b>dense</b> = cos(anchor, passage); <b>TF-IDF</b> = cosine of TF-IDF vectors; <b>RRF</b> =
+2/(10 + rank_dense) + 1/(10 + rank_TF-IDF); <b>s</b> = cos(anchor, s1) and <b>n_above</b> = pool passages above s
+(consistency filter). Passages never used come from re-chunking the input (and re-embedding it for their
+centrality): they are not in the run's output.</p>
+{''.join(f'<div class="note">{html.escape(n)}</div>' for n in notes)}
+{''.join(_doc_html(d, threshold) for d in docs)}
+</body></html>
+"""
+    html_path = out / "report.html"
+    html_path.write_text(page, encoding="utf-8")
+    return ReportResult(str(html_path), [str(out / p) for p in PLOTS], docs, notes)
