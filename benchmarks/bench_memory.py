@@ -8,6 +8,7 @@ the object store's split among the processes that map them, so nothing is counte
 pages counted once per process: an upper bound).
 
     python benchmarks/bench_memory.py                       # 1x and 10x, default model
+    python benchmarks/bench_memory.py --tiny                # the same with a 2-layer BERT built from a config (fast)
     python benchmarks/bench_memory.py --replicas 1 4 --set embed.model=/path/to/model
 """
 
@@ -75,6 +76,22 @@ class TreeMemory(threading.Thread):
             time.sleep(self.every_s)
 
 
+def tiny_model(folder: Path) -> str:
+    """A 2-layer, 64-dim BERT with the default model's real tokenizer, random weights (as in the tests)."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from operators.embed import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=512)
+    BertModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def run_once(replicas: int, work: Path, sets: list[str]) -> dict:
     inp, out = work / f"in-{replicas}x", work / f"out-{replicas}x"
     docs = replicate(inp, replicas)
@@ -100,11 +117,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", type=int, nargs="+", default=[1, 10], help="input sizes, in copies of the sample")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override passed to pairmine mine")
+    ap.add_argument("--tiny", action="store_true", help="use a 2-layer BERT built from a config instead of the default "
+                    "model (same pipeline, minutes instead of tens of minutes on 2 cores)")
     ap.add_argument("--keep", action="store_true", help="keep the replicated inputs and runs (printed folder)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pairmine-bench-memory-"))
+    if args.tiny:
+        args.sets = [f"embed.model={tiny_model(work / 'tiny-bert')}", "anchors.threshold=0.99", *args.sets]
+    rows = []
     try:
-        rows = [run_once(r, work, args.sets) for r in args.replicas]
+        for r in args.replicas:
+            rows.append(run_once(r, work, args.sets))
+            x = rows[-1]
+            print(f"{r}x: {x['docs']} documents, {x['seconds']:.0f} s, peak PSS {x['peak_pss_mb']:.0f} MB, peak RSS "
+                  f"{x['peak_rss_mb']:.0f} MB, {x['processes']} processes", flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
