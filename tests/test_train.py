@@ -231,3 +231,33 @@ def test_train_bad_input_is_one_line(case, tmp_path, tiny_groups):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert expected in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_train_reads_groups_from_s3_and_writes_checkpoints_and_export_there(tiny_groups, tiny_model_dir, s3_server,
+                                                                             tmp_path):
+    """The same job with --groups and --output on the test S3 server (endpoint from AWS_ENDPOINT_URL)."""
+    from tests.conftest import S3_SECRET, Out
+
+    o = Out(f"s3://pairmine-test/train-{time.time_ns()}", s3_server.endpoint)
+    for f in Path(tiny_groups).rglob("*"):  # the committed mining run, uploaded as-is
+        if f.is_file():
+            o.storage.write_bytes(o.path("runs", "tiny", str(f.relative_to(tiny_groups))), f.read_bytes())
+    args = [a.replace(f"train.max_steps={STEPS}", "train.max_steps=4").replace(f"checkpoint.every_steps={EVERY}",
+                                                                               "checkpoint.every_steps=2")
+            for a in TRAIN_ARGS]
+    proc = subprocess.run(_cli("train", "--groups", o.path("runs", "tiny"), "--output", o.path("train"),
+                               "--model", tiny_model_dir, *args), capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "AWS_ENDPOINT_URL": s3_server.endpoint})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert S3_SECRET not in proc.stdout + proc.stderr
+    metrics = [json.loads(x) for x in o.storage.read_bytes(o.path("train", "metrics.jsonl")).decode().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert sum(n.startswith("checkpoint_") for n in o.names("train", "ray-train")) >= 1
+    local = tmp_path / "export"
+    for name in o.names("train", "export"):
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(o.storage.read_bytes(o.path("train", "export", name)))
+    from operators.embed import Embedder
+
+    v = Embedder(str(local)).encode(["a passage about rockets", "a passage about cooking"])
+    assert v.shape == (2, 64) and np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-4)
