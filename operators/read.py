@@ -59,6 +59,22 @@ def open_input(path: str, storage: Storage = LOCAL):
     return fs.open(p, "rb")
 
 
+BLANK = object()  # what jsonl_record returns for an empty or whitespace-only line
+
+
+def jsonl_record(raw: bytes):
+    """One JSONL line -> its JSON object (a dict), None when the line is not a JSON object (invalid JSON, a list,
+    a number...), or ``BLANK`` when the line is empty. Undecodable bytes are replaced, not fatal."""
+    line = raw.decode("utf-8", errors="replace").strip()
+    if not line:
+        return BLANK
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
 def read_jsonl_records(path: str, storage: Storage = LOCAL) -> tuple[list[dict | None], int]:
     """Parse a JSONL file line by line (the whole read is retried on transient storage errors).
 
@@ -70,18 +86,8 @@ def read_jsonl_records(path: str, storage: Storage = LOCAL) -> tuple[list[dict |
     """
 
     def parse() -> list[dict | None]:
-        records: list[dict | None] = []
         with open_input(path, storage) as f:
-            for raw in f:
-                line = raw.decode("utf-8", errors="replace").strip()
-                if not line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    rec = None
-                records.append(rec if isinstance(rec, dict) else None)
-        return records
+            return [rec for rec in map(jsonl_record, f) if rec is not BLANK]
 
     records = storage.retry("read", path, parse)
     return records, sum(r is None for r in records)

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from operators.read import BLANK, jsonl_record
+
 log = logging.getLogger("pairmine")
 
 METRICS = ("ndcg@10", "recall@100", "mrr@10")
@@ -95,14 +97,10 @@ def _read_jsonl(path: Path, kind: str, skips: Skips) -> list[tuple[str, dict]]:
         raise EvalInputError(f"cannot read {path}: {e}") from None
     with f:
         for n, raw in enumerate(f, start=1):
-            line = raw.decode("utf-8", errors="replace").strip()
-            if not line:
+            rec = jsonl_record(raw)
+            if rec is BLANK:
                 continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                rec = None
-            if not isinstance(rec, dict):
+            if rec is None:
                 skips.add(f"{kind}.invalid_json", f"{path.name}:{n}")
                 continue
             rid = rec.get("_id")
