@@ -2,8 +2,10 @@
 
 Any HuggingFace encoder loadable with ``transformers.AutoModel`` (a local folder or a hub id). Mean pooling over
 the attention mask, then L2 normalisation (the E5 / all-MiniLM recipe). Passages of a batch of documents are
-flattened, sorted by length so each forward batch holds passages of similar length (less padding), embedded, and
-put back in document order. One model per operator instance, loaded once in :meth:`Embedder.setup`.
+flattened, tokenised, and grouped by padded length: each passage is padded to the next multiple of
+:data:`PAD_MULTIPLE` tokens and a forward batch only holds passages of one padded length. So a passage's vector does
+not depend on which other passages share its batch (on CPU it is bitwise the same for any batch size), and padding
+stays small. Vectors are put back in document order. One model per operator instance, loaded once in :meth:`Embedder.setup`.
 """
 
 from __future__ import annotations
@@ -65,6 +67,35 @@ def pick_dtype(requested: str, device: str) -> str:
         return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
     except Exception:  # older builds without the probe
         return "float32"
+
+
+PAD_MULTIPLE = 16
+"""Passages are padded to a multiple of this many tokens (see :func:`padded_length`)."""
+
+
+def padded_length(n_tokens: int, max_length: int, multiple: int = PAD_MULTIPLE) -> int:
+    """The length a passage of ``n_tokens`` tokens is padded to: the next multiple of ``multiple``, at most
+    ``max_length``. ``padded_length(17, 256) == 32``; ``padded_length(250, 250) == 250``."""
+    return min(-(-n_tokens // multiple) * multiple, max_length)
+
+
+def length_batches(lengths, max_length: int, batch_size: int) -> list[tuple[int, np.ndarray]]:
+    """Forward batches of passage indices, each holding passages of one padded length.
+
+    Args:
+        lengths: (n,) token counts (after truncation to ``max_length``).
+        max_length, batch_size: the embedder's settings.
+
+    Returns:
+        ``[(padded_length, indices), ...]``; indices ascending inside a batch, every index exactly once. A
+        passage's batch-mates and padding depend only on the multiset of lengths, never on their order.
+    """
+    padded = np.array([padded_length(int(n), max_length) for n in lengths], dtype=np.int64)
+    batches = []
+    for length in np.unique(padded):
+        idx = np.flatnonzero(padded == length)
+        batches += [(int(length), idx[i : i + batch_size]) for i in range(0, len(idx), batch_size)]
+    return batches
 
 
 def mean_pool(hidden, attention_mask):
@@ -187,20 +218,18 @@ class Embedder:
         if not passages:
             return out
         prefix = self.passage_prefix if prefix is None else prefix
-        order = np.argsort([len(p) for p in passages], kind="stable")  # sort by length: less padding per batch
+        enc = self._tokenizer(
+            [prefix + p for p in passages], truncation=True, max_length=self.max_length, padding=False
+        )
+        features = [{k: enc[k][i] for k in enc} for i in range(len(passages))]
         autocast = self.dtype in ("bfloat16", "float16") and self.device == "cpu"
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for i in range(0, len(order), self.batch_size):
-                idx = order[i : i + self.batch_size]
-                enc = self._tokenizer(
-                    [prefix + passages[j] for j in idx],
-                    padding=True,
-                    truncation=True,
-                    max_length=self.max_length,
-                    return_tensors="pt",
+            for length, idx in length_batches([len(f["input_ids"]) for f in features], self.max_length, self.batch_size):
+                batch = self._tokenizer.pad(
+                    [features[j] for j in idx], padding="max_length", max_length=length, return_tensors="pt"
                 ).to(self.device)
-                hidden = self._model(**enc).last_hidden_state  # (batch, seq, dim)
-                pooled = torch.nn.functional.normalize(mean_pool(hidden, enc["attention_mask"]).float(), dim=-1)
+                hidden = self._model(**batch).last_hidden_state  # (batch, length, dim)
+                pooled = torch.nn.functional.normalize(mean_pool(hidden, batch["attention_mask"]).float(), dim=-1)
                 out[idx] = pooled.cpu().numpy()  # (batch, dim)
         return out
 

@@ -50,12 +50,28 @@ def rrf_score(rank_dense, rank_lexical, k: float = 10.0, w_dense: float = 2.0, w
     )
 
 
-def descending_ranks(scores: np.ndarray) -> np.ndarray:
-    """1-based ranks of ``scores`` in descending order; equal scores rank the lower index first.
+SCORE_RESOLUTION = 1e-5
+"""Scores closer than this are the same score when ranking (cosines are compared on a 1e-5 grid).
 
-    Example: ``descending_ranks([0.2, 0.9, 0.2]) -> [2, 1, 3]``.
+Batched float32 matmuls give the same passage vectors to ~1e-6 whatever the batch (padding changes the summation
+order), so two candidates whose scores differ by float noise must not swap ranks between two runs of the same input
+(issue: a re-run with ``ray.docs_per_batch`` 17 instead of 64 changed one ``related_rrf`` by 0.0048). Scores are
+rounded to this grid and ties are broken by passage index."""
+
+
+def descending_ranks(scores: np.ndarray, resolution: float = SCORE_RESOLUTION) -> np.ndarray:
+    """1-based ranks of ``scores`` in descending order; scores equal on a ``resolution`` grid rank the lower index
+    first.
+
+    Args:
+        scores: (n,) float scores (cosines).
+        resolution: scores are compared after rounding to multiples of this; 0 compares them exactly.
+
+    Example: ``descending_ranks([0.2, 0.9, 0.2]) -> [2, 1, 3]``; ``descending_ranks([0.5, 0.5000004]) -> [1, 2]``.
     """
-    scores = np.asarray(scores)
+    scores = np.asarray(scores, dtype=np.float64)
+    if resolution > 0:
+        scores = np.round(scores / resolution)
     order = np.argsort(-scores, kind="stable")  # stable: ties keep index order
     ranks = np.empty(len(scores), dtype=np.int64)
     ranks[order] = np.arange(1, len(scores) + 1)

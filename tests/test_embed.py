@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from operators.embed import Embedder, vector_matrix, vectors_array
+from operators.embed import Embedder, length_batches, padded_length, vector_matrix, vectors_array
 
 SENTENCES = [
     "A man is playing a guitar.",
@@ -59,3 +59,22 @@ def test_operator_adds_vector_lists(fp32):
     assert o2.tolist() == [0, 3] and m2 == pytest.approx(matrix[2:], abs=0)
     rt, _ = vector_matrix(vectors_array([matrix[:2], matrix[2:2], matrix[2:]], 384))
     assert rt == pytest.approx(matrix, abs=0)
+
+
+def test_padded_lengths_and_batches():
+    assert [padded_length(n, 256) for n in (1, 16, 17, 250, 256)] == [16, 16, 32, 256, 256]
+    assert padded_length(250, 250) == 250
+    batches = length_batches([5, 40, 17, 16, 33, 3], max_length=256, batch_size=2)
+    assert [(n, idx.tolist()) for n, idx in batches] == [(16, [0, 3]), (16, [5]), (32, [2]), (48, [1, 4])]
+
+
+def test_vectors_do_not_depend_on_the_batch(fp32):
+    """The same passage gets bitwise the same vector whatever else is in its batch and whatever the batch size."""
+    texts = SENTENCES * 3 + ["A much longer passage about guitars, " * 6, "Short one."]
+    reference = fp32.encode(texts)
+    for batch_size in (1, 3, 64):
+        e = Embedder(dtype="float32", device="cpu", batch_size=batch_size)
+        e._tokenizer, e._model, e.dim, e.device, e.dtype = fp32._tokenizer, fp32._model, fp32.dim, "cpu", "float32"
+        assert np.array_equal(e.encode(texts), reference)
+        assert np.array_equal(e.encode(texts[::-1]), reference[::-1])
+        assert np.array_equal(e.encode(texts[4:9]), reference[4:9])

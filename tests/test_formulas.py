@@ -26,6 +26,15 @@ def test_descending_ranks_ties_go_to_lower_index():
     assert descending_ranks(np.array([0.2, 0.9, 0.2, 0.5])).tolist() == [3, 1, 4, 2]
 
 
+def test_scores_within_float_noise_are_ties():
+    # 4e-7 apart: the size of the batching noise that once swapped two ranks between two runs of the same input.
+    noisy = np.array([0.6, 0.7000004, 0.7, 0.3])
+    assert descending_ranks(noisy).tolist() == [3, 1, 2, 4]
+    assert descending_ranks(noisy[[0, 2, 1, 3]]).tolist() == [3, 1, 2, 4]  # the lower index wins either way
+    assert descending_ranks(noisy[[0, 2, 1, 3]], resolution=0).tolist() == [3, 2, 1, 4]  # exact: noise decides
+    assert descending_ranks(np.array([0.70002, 0.7])).tolist() == [1, 2]  # 2e-5 apart: a real difference
+
+
 def test_related_for_anchor_prefers_candidate_ranked_2_2_over_1_6():
     # Passage 0 is the anchor. Ranks among the candidates p1..p6:
     #   dense:   p1 1st, p2 2nd, p3 3rd, p4 4th, p5 5th, p6 6th
