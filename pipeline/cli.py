@@ -29,7 +29,8 @@ MINE_EPILOG = """\
 what it does:
   read -> chunk -> embed -> centrality + anchors -> related passages (weighted RRF) -> consistency filter (E5: keep
   a group iff fewer than k random pool passages beat cos(anchor, s1)) -> write, on Ray Data, one row per document. Without --input it mines the 827-document sample that ships with pairmine. Without a cluster
-  address (ray.address or $RAY_ADDRESS) it starts a local Ray on this machine.
+  address (ray.address or $RAY_ADDRESS) it starts a private local Ray on this machine, never joining a Ray
+  cluster that happens to run there (the manifest's resolved.ray says which Ray was used).
 
 output (<output>/<run_id>/; <output> may be s3://bucket/prefix, endpoint and credentials from the AWS environment
 (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) or [storage]):
@@ -132,7 +133,7 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--config", metavar="FILE", help="TOML file with [section] tables, see the keys below")
     t.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override one config key, e.g. --set train.batch_size=32 (repeatable; applied after --config)")
-    t.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to use (default: $RAY_ADDRESS, else start a "
+    t.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to use (default: $RAY_ADDRESS, else start a private "
                    "local Ray). Same as ray.address")
 
 
@@ -206,7 +207,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
                    help="override one config key, e.g. --set embed.batch_size=64 (repeatable; applied after --config)")
     p.add_argument("--run-id", metavar="ID", help="run folder name (default: UTC time + random suffix). Same as "
                    "output.run_id; a committed run id is refused")
-    p.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to use (default: $RAY_ADDRESS, else start a "
+    p.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to use (default: $RAY_ADDRESS, else start a private "
                    "local Ray). Same as ray.address")
 
 

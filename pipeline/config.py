@@ -124,7 +124,7 @@ class StorageConfig:
 
 @dataclass
 class RayConfig:
-    address: str = _f("", 'empty: $RAY_ADDRESS if set, else start a local Ray')
+    address: str = _f("", 'empty: $RAY_ADDRESS if set, else start a private local Ray')
     num_cpus: int = _f(0, 'local Ray only; 0: all cores')
     docs_per_batch: int = _f(64, 'documents per batch through the CPU stages and the embedder')
     target_block_mb: float = _f(1.0, "Ray Data block size target in MB; small blocks keep the stages streaming (progress, "

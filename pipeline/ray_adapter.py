@@ -66,26 +66,47 @@ def apply_stage(ds, stage: Stage):
 
 
 def init_ray(address: str = "", num_cpus: int = 0) -> str:
-    """Connect to a Ray cluster (``address``, else ``$RAY_ADDRESS``) or start a local one.
+    """Connect to the Ray cluster at ``address`` (else ``$RAY_ADDRESS``), or start a private local Ray.
+
+    With no address, pairmine never joins a cluster that happens to run on the machine (a plain ``ray.init()``
+    attaches to the latest ``ray start`` cluster and dies with it): it starts its own (``address="local"``).
+
+    Args:
+        address: a Ray address (``host:port``, ``ray://...``, ``auto``); empty: ``$RAY_ADDRESS``, else local.
+        num_cpus: CPUs of the private local Ray (0: all of the machine's); ignored for a cluster.
 
     Returns:
-        "cluster <address>" or "local (<n> CPUs)", for logs and the manifest.
+        What was used, for the log and the manifest's ``resolved.ray``: ``"local (2 CPUs)"``,
+        ``"cluster 10.0.0.5:6379 (3 node(s), 48 CPUs, 8 GPUs)"``, or ``"existing ..."`` when this process had
+        already initialised Ray.
     """
     import ray
 
     if ray.is_initialized():
-        return "existing"
+        return f"existing {describe_cluster()}"
     address = address or os.environ.get("RAY_ADDRESS", "")
     runtime_env = {"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}}
-    if address:
+    if address and address != "local":
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        return f"cluster {address}"
+        return f"cluster {describe_cluster()}"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    kwargs: dict[str, Any] = dict(include_dashboard=False, runtime_env=runtime_env, logging_level=logging.WARNING)
+    kwargs: dict[str, Any] = dict(
+        address="local", include_dashboard=False, runtime_env=runtime_env, logging_level=logging.WARNING
+    )
     if num_cpus:
         kwargs["num_cpus"] = num_cpus
     ray.init(**kwargs)
     return f"local ({int(ray.cluster_resources().get('CPU', 0))} CPUs)"
+
+
+def describe_cluster() -> str:
+    """The connected Ray's GCS address and resources: ``"127.0.0.1:6379 (2 node(s), 2 CPUs, 0 GPUs)"``."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    res = ray.cluster_resources()
+    gcs = ray.get_runtime_context().gcs_address
+    return f"{gcs} ({len(nodes)} node(s), {int(res.get('CPU', 0))} CPUs, {int(res.get('GPU', 0))} GPUs)"
 
 
 def configure_data(target_block_mb: float) -> None:

@@ -26,7 +26,7 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():  # an earlier test may have started it through pipeline.mine's init_ray
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
                  runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     yield
     ray.shutdown()

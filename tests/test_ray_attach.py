@@ -1,0 +1,46 @@
+"""Which Ray pairmine uses (issue 14, item 7): a ``ray start`` cluster running on the machine is joined only when
+asked for, by ``ray.address`` or ``$RAY_ADDRESS``; otherwise pairmine starts a private local Ray."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.raycluster import RayNode
+
+PROBE = ("import ray, sys; from pipeline.ray_adapter import init_ray; "
+         "where = init_ray(*sys.argv[1:]); print(where); print(ray.get_runtime_context().gcs_address)")
+
+
+def _run(code: str, *args: str, env_extra: dict | None = None) -> tuple[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env_extra or {})
+    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    where, gcs = proc.stdout.strip().splitlines()[-2:]
+    return where, gcs
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    node = RayNode(num_cpus=1, log_dir=tmp_path_factory.mktemp("ray-head")).start()
+    yield node
+    node.stop()
+
+
+def test_a_cluster_on_the_machine_is_joined_only_when_asked(head):
+    # The fault: a plain ray.init() joins the latest Ray started on the machine (here, most likely this head).
+    # pairmine with no address: a private Ray of its own, and it says so.
+    where, gcs = _run(PROBE)
+    assert where.startswith("local (") and _port(gcs) != head.port
+    # Asked for by $RAY_ADDRESS or by ray.address: that cluster, described truthfully.
+    for args, env in (((), {"RAY_ADDRESS": head.address}), ((head.address,), None)):
+        where, gcs = _run(PROBE, *args, env_extra=env)
+        assert _port(gcs) == head.port  # Ray reports the machine's address for 127.0.0.1
+        assert where == f"cluster {gcs} (1 node(s), 1 CPUs, 0 GPUs)"
