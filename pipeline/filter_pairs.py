@@ -30,11 +30,11 @@ from pipeline.inputs import (
     PoolSpec, check_parquet_shards, discover_shards, pool_sample, scan_shard,
 )
 from pipeline.mine import (
-    GPU_SHARE_EMBED, SUCCESS_MARKER, MineResult, Progress, RunExistsError, _load_pool, _shard_dict, _versions,
+    SUCCESS_MARKER, MineResult, Progress, RunExistsError, _load_pool, _shard_dict, _versions,
     check_model, embed_pool, merge_stats, model_id, new_run_id, write_json,
 )
 from pipeline.ray_adapter import (
-    Stage, apply_stage, cluster_cpus_per_node, cluster_gpus, configure_data, init_ray, run_remote,
+    Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote,
 )
 
 log = logging.getLogger("pairmine")
@@ -154,7 +154,9 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     check_model(cfg)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
+    stage_plan = plan_stages(cfg.embed.device, cfg.embed.num_actors, c.num_actors, True, cfg.embed.threads)
     log.info("filter-pairs run %s -> %s: %d input shard(s); Ray %s", run_id, run_dir, len(shards), where)
+    log.info("stage plan: %s", stage_plan.describe())
 
     # ---- plan and pool --------------------------------------------------------------------------------------------
     own_pool = c.pool_size if pool_shards is None else 0
@@ -180,17 +182,14 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     pool_passages, pool_hashes = pool_sample(candidates, c.pool_size, unique=True)
     del plans
 
-    gpus = cluster_gpus() if cfg.embed.device != "cpu" else 0
-    actors = cfg.embed.num_actors or (gpus if gpus else 1)
-    threads = cfg.embed.threads or max(1, cluster_cpus_per_node() // actors)
-    device = cfg.embed.device if cfg.embed.device != "auto" else ("cuda" if gpus else "cpu")
-    batch, light = cfg.ray.docs_per_batch, 0.5
-    gpu_embed, gpu_filter = (GPU_SHARE_EMBED, 1.0 - GPU_SHARE_EMBED) if device == "cuda" else (0, 0)
+    actors, threads, device = stage_plan.embed_actors, stage_plan.threads, stage_plan.device
+    batch, light = cfg.ray.docs_per_batch, stage_plan.light_cpus
+    gpu_embed, gpu_filter = stage_plan.embed_gpus, stage_plan.filter_gpus
     t_pool = time.time()
     pool_vectors, pool_hashes = embed_pool(
         pool_passages, pool_hashes,
         Stage("embed", partial(_make_pool_embed, cfg, threads, device), batch_size=batch, actors=actors,
-              num_gpus=gpu_embed),
+              num_cpus=stage_plan.embed_cpus, num_gpus=gpu_embed),
     )
     pool_size = len(pool_vectors)
     pool_ref = ray.put((pool_vectors, pool_hashes))
@@ -208,9 +207,9 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     stages = [
         Stage("read_pairs", partial(_make_read, cfg), batch_size=1, num_cpus=light),
         Stage("embed_pairs", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
-              num_gpus=gpu_embed),
+              num_cpus=stage_plan.embed_cpus, num_gpus=gpu_embed),
         Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb), batch_size=batch,
-              actors=c.num_actors or (gpus if gpu_filter else 1), num_cpus=light, num_gpus=gpu_filter),
+              actors=stage_plan.filter_actors, num_cpus=light, num_gpus=gpu_filter),
         Stage("write_pairs", partial(_make_write, staging, run_id, model_id(cfg), pool_size, c.k, c.side_output,
                                             storage),
               batch_size=batch, num_cpus=light),
@@ -257,7 +256,8 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "config": cfg.to_dict(),
         "resolved": {"model": model_id(cfg), "query_prefix": cfg.resolved_query_prefix(),
-                     "passage_prefix": cfg.resolved_prefix(), "embed_device": device, "ray": where},
+                     "passage_prefix": cfg.resolved_prefix(), "embed_device": device, "ray": where,
+                     "stage_plan": stage_plan.describe()},
         "consistency": {"pool_size": pool_size, "pool_size_requested": c.pool_size, "pool_source": pool_source,
                         "k": c.k, "seed": c.seed, "side_output": "dropped/" if c.side_output else None},
         "inputs": [_shard_dict(s) for s in shards],

@@ -35,7 +35,7 @@ from pipeline.inputs import (
     work_units,
 )
 from pipeline.ray_adapter import (
-    Stage, apply_stage, cluster_cpus_per_node, cluster_gpus, configure_data, init_ray, run_remote,
+    Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote,
 )
 
 log = logging.getLogger("pairmine")
@@ -43,7 +43,6 @@ log = logging.getLogger("pairmine")
 SUCCESS_MARKER = "_SUCCESS"
 STATE_DIR = "_state"  # plan.json (inputs + config of the first attempt) and one commit record per committed shard
 LATEST_POINTER = "_latest.json"  # beside the run folders: the most recently committed run (format 1, see README)
-GPU_SHARE_EMBED = 0.75  # of each GPU for the embed actor; the consistency filter actor gets the rest
 
 
 class RunExistsError(RuntimeError):
@@ -443,14 +442,16 @@ def mine(cfg: MineConfig) -> MineResult:
     check_model(cfg)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
+    c = cfg.consistency
+    stage_plan = plan_stages(cfg.embed.device, cfg.embed.num_actors, c.num_actors, c.enabled, cfg.embed.threads)
     log.info("run %s -> %s: %d input shard(s) from %s; Ray %s", run_id, run_dir, len(shards),
              cfg.input.path or "the shipped sample", where)
+    log.info("stage plan: %s", stage_plan.describe())
 
     # ---- first pass: ids (duplicates), layout (work units), seeded text sample (IDF) -----------------------------
     # A resumed run repeats it over all shards: duplicates, the IDF and the pool depend on the whole input, and
     # the pass is seeded, so it gives the first attempt's results again.
     cut = sample_cut(cfg.tfidf.sample_docs, known_rows)
-    c = cfg.consistency
     pool_spec = PoolSpec(c.pool_size, c.seed, sample_cut(c.pool_size, known_rows), known_rows, cfg.chunk.max_words,
                          cfg.chunk.min_words, cfg.chunk.max_passages) if c.enabled else None
     scans = run_remote(_scan, [(s, cfg, cut, pool_spec) for s in shards])
@@ -504,23 +505,15 @@ def mine(cfg: MineConfig) -> MineResult:
     )
 
     # ---- the streaming pass: one row per document from read to write ---------------------------------------------
-    gpus = cluster_gpus() if cfg.embed.device != "cpu" else 0
-    actors = cfg.embed.num_actors or (gpus if gpus else 1)
-    threads = cfg.embed.threads or max(1, cluster_cpus_per_node() // actors)
-    device = cfg.embed.device if cfg.embed.device != "auto" else ("cuda" if gpus else "cpu")
+    actors, threads, device = stage_plan.embed_actors, stage_plan.threads, stage_plan.device
     batch = cfg.ray.docs_per_batch
     threshold = cfg.resolved_threshold()
     side_output = c.enabled and c.side_output
     pool_size = None
     if todo:
-        # CPU stages are light next to the embedder; half a CPU each keeps a 2-core machine from being filled by the
-        # two actor pools (an actor holding every CPU starves the tasks and the pipeline hangs).
-        light = 0.5
-        # On a GPU the embedder and the consistency filter share each GPU (3/4 + 1/4): two whole-GPU actor pools
-        # would wait on each other forever on a one-GPU node.
-        gpu_embed, gpu_filter = (GPU_SHARE_EMBED, 1.0 - GPU_SHARE_EMBED) if device == "cuda" else (0, 0)
+        light, gpu_embed, gpu_filter = stage_plan.light_cpus, stage_plan.embed_gpus, stage_plan.filter_gpus
         embed_stage = Stage("embed", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
-                            num_cpus=1, num_gpus=gpu_embed)
+                            num_cpus=stage_plan.embed_cpus, num_gpus=gpu_embed)
         stages = [
             Stage("read", partial(_make_read, cfg), batch_size=1, num_cpus=light),
             Stage("chunk", partial(_make_chunk, cfg), batch_size=batch, num_cpus=light),
@@ -538,9 +531,8 @@ def mine(cfg: MineConfig) -> MineResult:
             log.info("consistency pool: %d passages embedded in %.1f s (asked for %d; k = %d)",
                      pool_size, time.time() - t_pool, c.pool_size, c.k)
             del pool_vectors, pool_passages
-            filter_actors = c.num_actors or (gpus if gpus and device == "cuda" else 1)
             stages.append(Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb),
-                                batch_size=batch, actors=filter_actors, num_cpus=light, num_gpus=gpu_filter))
+                                batch_size=batch, actors=stage_plan.filter_actors, num_cpus=light, num_gpus=gpu_filter))
         stages.append(Stage("write", partial(_make_write, staging, run_id, model_id(cfg), threshold, pool_size,
                                              c.k if c.enabled else None, side_output, storage),
                             batch_size=batch, num_cpus=light))
@@ -570,7 +562,8 @@ def mine(cfg: MineConfig) -> MineResult:
         "committed_utc": now,
         "config": cfg.to_dict(),
         "resolved": {"model": model_id(cfg), "passage_prefix": cfg.resolved_prefix(), "anchor_threshold": threshold,
-                     "embed_actors": actors, "embed_device": device, "embed_threads": threads, "ray": where},
+                     "embed_actors": actors, "embed_device": device, "embed_threads": threads, "ray": where,
+                     "stage_plan": stage_plan.describe()},
         "inputs": [_shard_dict(s) for s in shards],
         "shards": [
             {"shard_index": s.index, "path": s.path, "part": records[s.index]["part"],

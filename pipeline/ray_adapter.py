@@ -109,6 +109,112 @@ def describe_cluster() -> str:
     return f"{gcs} ({len(nodes)} node(s), {int(res.get('CPU', 0))} CPUs, {int(res.get('GPU', 0))} GPUs)"
 
 
+class PlanError(ValueError):
+    """The stages cannot be placed on the Ray cluster as configured (the message says why and what to change)."""
+
+
+GPU_SHARE_EMBED = 0.75  # of each GPU for an embed actor; the consistency filter actor gets the rest
+LIGHT_CPUS = 0.5  # CPU share of each light stage (read, chunk, scoring, write tasks; the filter actor on CPU)
+MAX_ACTORS_PER_CPU = 10  # beyond this, each actor's CPU share is too small to be worth having (refused)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Where and how the streaming stages run: one plan for ``mine`` and ``filter-pairs``.
+
+    Attributes:
+        device: "cpu" or "cuda" for the embedder and the consistency filter.
+        embed_actors / filter_actors: actor pool sizes (``filter_actors`` 0 when the filter is off).
+        threads: torch CPU threads per embed actor.
+        embed_cpus / light_cpus: CPUs per embed actor and per light stage (task or filter actor).
+        embed_gpus / filter_gpus: GPU share per embed actor / filter actor (0 on CPU).
+        cpus / gpus: what the cluster has.
+        scaled: True when the CPU shares were scaled down to fit the cluster.
+    """
+
+    device: str
+    embed_actors: int
+    filter_actors: int
+    threads: int
+    embed_cpus: float
+    light_cpus: float
+    embed_gpus: float
+    filter_gpus: float
+    cpus: float
+    gpus: int
+    scaled: bool = False
+
+    def describe(self) -> str:
+        """One line for the log and the manifest's ``resolved.stage_plan``."""
+        gpu = f", {self.embed_gpus:g} GPU" if self.embed_gpus else ""
+        line = (f"{self.embed_actors} embed actor(s) on {self.device} ({self.embed_cpus:g} CPU{gpu}, {self.threads} "
+                f"thread(s) each)")
+        if self.filter_actors:
+            line += f", {self.filter_actors} filter actor(s) ({self.light_cpus:g} CPU"
+            line += f", {self.filter_gpus:g} GPU)" if self.filter_gpus else ")"
+        line += f", tasks {self.light_cpus:g} CPU; cluster {self.cpus:g} CPUs, {self.gpus} GPUs"
+        return line + (" (CPU shares scaled down to fit)" if self.scaled else "")
+
+
+def plan_stages(device_request: str, embed_actors: int = 0, filter_actors: int = 0, filter_enabled: bool = True,
+                threads: int = 0, cpus: float | None = None, gpus: int | None = None,
+                cpus_per_node: int | None = None) -> StagePlan:
+    """Fit the streaming stages to the cluster, or refuse a plan that could never run (before any work starts).
+
+    Every stage runs at once in a streaming pipeline, so all actors plus one slot for the light tasks must fit
+    together: ``embed_actors * 1 CPU + filter_actors * 0.5 + 0.5``. When the cluster has fewer CPUs (a 1-CPU Ray,
+    ``ray.num_cpus=1``), every share is scaled by ``cpus / need`` instead of leaving Ray to wait forever for CPUs
+    that do not exist (it used to hang with no message). On GPUs, each embed actor takes 3/4 of a GPU and each
+    filter actor 1/4, so that both pools fit one GPU.
+
+    Args:
+        device_request: ``embed.device``: "auto", "cpu" or "cuda".
+        embed_actors / filter_actors: configured pool sizes; 0 is one per GPU, else 1.
+        filter_enabled: whether the consistency filter runs.
+        threads: ``embed.threads``; 0 divides the largest node's CPUs between the embed actors.
+        cpus / gpus / cpus_per_node: the cluster's resources (default: asked of the connected Ray).
+
+    Returns:
+        The :class:`StagePlan`.
+
+    Raises:
+        PlanError: ``cuda`` asked for on a cluster without GPUs; more GPU actors than the GPUs can hold; a cluster
+            without CPUs; more than ``MAX_ACTORS_PER_CPU`` embed actors per CPU.
+    """
+    import ray
+
+    res = ray.cluster_resources() if cpus is None or gpus is None else {}
+    cpus = float(res.get("CPU", 0)) if cpus is None else float(cpus)
+    gpus = int(res.get("GPU", 0)) if gpus is None else int(gpus)
+    if cpus <= 0:
+        raise PlanError("the Ray cluster has no CPU: nothing can run (start it with --num-cpus >= 1)")
+    if device_request == "cuda" and gpus == 0:
+        raise PlanError("embed.device is 'cuda' but the Ray cluster has no GPU; use embed.device=auto or cpu")
+    device = "cuda" if device_request == "cuda" or (device_request == "auto" and gpus > 0) else "cpu"
+    on_gpu = device == "cuda"
+    embed_actors = embed_actors or (gpus if on_gpu else 1)
+    filter_actors = (filter_actors or (gpus if on_gpu else 1)) if filter_enabled else 0
+    embed_gpus, filter_gpus = (GPU_SHARE_EMBED, 1.0 - GPU_SHARE_EMBED) if on_gpu else (0.0, 0.0)
+    if on_gpu and embed_actors * embed_gpus + filter_actors * filter_gpus > gpus + 1e-9:
+        raise PlanError(f"{embed_actors} embed actor(s) x {embed_gpus:g} GPU + {filter_actors} filter actor(s) x "
+                        f"{filter_gpus:g} GPU do not fit the cluster's {gpus} GPU(s); set embed.num_actors and "
+                        f"consistency.num_actors to at most {gpus} (0: one per GPU)")
+    if embed_actors > MAX_ACTORS_PER_CPU * cpus:
+        raise PlanError(f"embed.num_actors = {embed_actors} on {cpus:g} CPU(s): more than {MAX_ACTORS_PER_CPU} "
+                        "actors per CPU; lower embed.num_actors")
+    embed_cpus, light = 1.0, LIGHT_CPUS
+    need = embed_actors * embed_cpus + filter_actors * light + light
+    scaled = need > cpus + 1e-9
+    if scaled:
+        factor = cpus / need
+        embed_cpus, light = embed_cpus * factor, light * factor
+    if not threads:
+        per_node = cpus_per_node if cpus_per_node is not None else cluster_cpus_per_node()
+        threads = max(1, int(per_node) // embed_actors)
+    return StagePlan(device, embed_actors, filter_actors, threads, round(embed_cpus, 4), round(light, 4), embed_gpus,
+                     filter_gpus, cpus, gpus, scaled)
+
+
 def configure_data(target_block_mb: float) -> None:
     """Ray Data settings for pairmine's pipelines.
 
