@@ -149,7 +149,7 @@ class Embedder:
     Args:
         model: local folder or hub id; empty means the default model (:func:`default_model_path`).
         passage_prefix: text put before every passage ("passage: " for E5 models, "" for all-MiniLM).
-        max_length: tokens per passage; longer passages are truncated.
+        max_length: tokens per passage; longer passages are truncated (and counted: ``n_token_truncated``).
         batch_size: passages per forward pass.
         dtype: "auto", "float32", "bfloat16" or "float16" (see :func:`pick_dtype`).
         device: "auto", "cpu" or "cuda" (see :func:`pick_device`).
@@ -210,35 +210,52 @@ class Embedder:
         Returns:
             (len(passages), dim) float32 array of L2-normalised mean-pooled vectors, in input order.
         """
+        return self.encode_counted(passages, prefix)[0]
+
+    def encode_counted(self, passages: list[str], prefix: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`encode`, and which passages were cut to ``max_length`` tokens (the model saw only their start).
+
+        Returns:
+            (vectors, truncated): (n, dim) float32 as :meth:`encode`; (n,) bool, True where the prefixed passage has
+            more than ``max_length`` tokens.
+        """
         import torch
 
         if self._model is None:
             self.setup()
         out = np.zeros((len(passages), self.dim), dtype=np.float32)
+        truncated = np.zeros(len(passages), dtype=bool)
         if not passages:
-            return out
+            return out, truncated
         prefix = self.passage_prefix if prefix is None else prefix
-        enc = self._tokenizer(
-            [prefix + p for p in passages], truncation=True, max_length=self.max_length, padding=False
-        )
+        texts = [prefix + p for p in passages]
+        enc = self._tokenizer(texts, truncation=True, max_length=self.max_length, padding=False)
         features = [{k: enc[k][i] for k in enc} for i in range(len(passages))]
+        lengths = [len(f["input_ids"]) for f in features]
+        at_limit = [i for i, n in enumerate(lengths) if n >= self.max_length]
+        if at_limit:  # only these can have been cut: count their full length
+            full = self._tokenizer([texts[i] for i in at_limit], truncation=False, verbose=False)["input_ids"]
+            truncated[[i for i, ids in zip(at_limit, full) if len(ids) > self.max_length]] = True
         autocast = self.dtype in ("bfloat16", "float16") and self.device == "cpu"
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for length, idx in length_batches([len(f["input_ids"]) for f in features], self.max_length, self.batch_size):
+            for length, idx in length_batches(lengths, self.max_length, self.batch_size):
                 batch = self._tokenizer.pad(
                     [features[j] for j in idx], padding="max_length", max_length=length, return_tensors="pt"
                 ).to(self.device)
                 hidden = self._model(**batch).last_hidden_state  # (batch, length, dim)
                 pooled = torch.nn.functional.normalize(mean_pool(hidden, batch["attention_mask"]).float(), dim=-1)
                 out[idx] = pooled.cpu().numpy()  # (batch, dim)
-        return out
+        return out, truncated
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        """Add ``vectors`` (list<fixed_size_list<float32, dim>>) and ``n_token_truncated`` (int32: passages of the
+        document cut to ``max_length`` tokens) to a batch of documents with a ``passages`` column."""
         if self._model is None:
             self.setup()
         per_doc = batch.column("passages").to_pylist()
         flat = [p for doc in per_doc for p in doc]
-        matrix = self.encode(flat)  # (total_passages, dim)
+        matrix, truncated = self.encode_counted(flat)  # (total_passages, dim), (total_passages,)
         bounds = np.cumsum([0] + [len(doc) for doc in per_doc])
         vectors = vectors_array([matrix[bounds[i] : bounds[i + 1]] for i in range(len(per_doc))], self.dim)
-        return batch.append_column("vectors", vectors)
+        counts = [int(truncated[bounds[i] : bounds[i + 1]].sum()) for i in range(len(per_doc))]
+        return batch.append_column("vectors", vectors).append_column("n_token_truncated", pa.array(counts, pa.int32()))

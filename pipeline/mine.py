@@ -336,6 +336,7 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
         "passages_in_groups": int(total["passages_in_groups"]),
         "passages_short_dropped": int(total["passages_short_dropped"]),
         "passages_truncated": int(total["passages_truncated"]),
+        "passages_token_truncated": int(total["passages_token_truncated"]),
         "anchors": int(total["anchors"]),
         "anchor_threshold": cfg.resolved_threshold(),
         "groups_per_doc": round(groups / with_g, 4) if with_g else 0.0,
@@ -600,6 +601,10 @@ def mine(cfg: MineConfig) -> MineResult:
         stats["elapsed_s"], stats["groups"], stats["docs_in"], stats["docs_with_groups_pct"], stats["groups_per_doc"],
         stats["passage_coverage_pct"], kept, stats["docs_skipped_total"], run_dir,
     )
+    if stats["passages_token_truncated"]:
+        log.warning("%d of %d passages were longer than embed.max_length = %d tokens: the model saw only their start "
+                    "(passages_token_truncated in stats.json); lower chunk.max_words or raise embed.max_length",
+                    stats["passages_token_truncated"], stats["passages"], cfg.embed.max_length)
     return MineResult(run_dir=run_dir, stats=stats)
 
 

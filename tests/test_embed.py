@@ -78,3 +78,17 @@ def test_vectors_do_not_depend_on_the_batch(fp32):
         assert np.array_equal(e.encode(texts), reference)
         assert np.array_equal(e.encode(texts[::-1]), reference[::-1])
         assert np.array_equal(e.encode(texts[4:9]), reference[4:9])
+
+
+def test_passages_cut_to_max_length_are_counted(fp32):
+    e = Embedder(dtype="float32", device="cpu", max_length=16)
+    e._tokenizer, e._model, e.dim, e.device, e.dtype = fp32._tokenizer, fp32._model, fp32.dim, "cpu", "float32"
+    lengths = [len(fp32._tokenizer(t)["input_ids"]) for t in SENTENCES]  # with [CLS] and [SEP]
+    assert lengths == [9, 18, 9, 15, 4]
+    exactly_16 = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
+    assert len(fp32._tokenizer(exactly_16)["input_ids"]) == 16  # at the limit, not over it: not cut
+    batch = pa.table({"passages": [[SENTENCES[1]], [SENTENCES[0], exactly_16], [], [SENTENCES[1] * 2, SENTENCES[4], SENTENCES[1]]]})
+    out = e(batch)
+    assert out.column("n_token_truncated").to_pylist() == [1, 0, 0, 2]
+    _, truncated = e.encode_counted([SENTENCES[1], exactly_16, SENTENCES[3]])
+    assert truncated.tolist() == [True, False, False]

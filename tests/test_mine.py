@@ -158,6 +158,16 @@ def test_bad_input_is_counted_and_never_crashes(bad_input, tiny_model_dir, out):
     assert s["docs_skipped"] == {"null_id": 1, "null_text": 1, "empty_text": 3, "duplicate_id": 2, "invalid_json": 1}
     assert s["docs_in"] == s["docs_with_groups"] + s["docs_without_groups"] + s["docs_skipped_total"]
     assert s["docs_truncated"] == 1 and s["passages_truncated"] == 1667 - 256  # the 1 MB single-line document
+    # Passages the model saw only the start of (over embed.max_length tokens) are counted: recount them by hand.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    a = pq.read_table(bad_input / "a.parquet").to_pylist()
+    mined = [d["text"] for d in a[:30]] + [d["text"] for d in a[30:] if d["id"] in ("one-mb", "mixed", "single")]
+    mined.append(json.loads((bad_input / "b.jsonl").read_text().splitlines()[0])["text"])  # j1
+    long_passages = sum(len(tok(p, verbose=False)["input_ids"]) > cfg.embed.max_length for text in mined
+                        for p in chunk_text(text, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages).passages)
+    assert s["passages_token_truncated"] == long_passages > 0
     groups = out.table("bad", "groups").to_pylist()
     by_doc = {}
     for g in groups:
