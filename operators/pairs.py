@@ -18,7 +18,10 @@ import pyarrow.parquet as pq
 
 from operators.consistency import consistency_counts, doc_hash
 from operators.embed import Embedder
-from operators.read import INVALID_JSON, open_input, read_jsonl_records, require_columns, require_keys
+from operators.read import (
+    INVALID_JSON, arrow_text_column, check_column_types, jsonl_text_column, open_input, read_jsonl_records,
+    require_columns, require_keys,
+)
 from operators.storage import LOCAL, Storage
 
 NULL_QUERY, EMPTY_QUERY, NULL_PASSAGE, EMPTY_PASSAGE = "null_query", "empty_query", "null_passage", "empty_passage"
@@ -41,34 +44,40 @@ PAIR_SCHEMA = pa.schema(
 
 def read_pair_columns(path: str, fmt: str, row_group: int, query_column: str, passage_column: str,
                       id_column: str, storage: Storage = LOCAL
-                      ) -> tuple[pa.Array, pa.Array, pa.Array | None, np.ndarray | None]:
-    """(queries, passages, ids or None, invalid-line mask or None) of one work unit, as string arrays.
+                      ) -> tuple[pa.Array, pa.Array, pa.Array | None, np.ndarray | None, np.ndarray]:
+    """(queries, passages, ids or None, invalid-line mask or None, repaired mask) of one work unit: string arrays
+    (rows,) decoded as the read stage decodes documents (invalid UTF-8 replaced with U+FFFD, ``repaired`` (rows,)
+    bool says where; compressed JSONL read transparently).
 
     Raises:
         MissingColumnError: the query or passage column is missing (parquet), or no JSONL record has it.
+        ColumnTypeError: the query or passage column is not text (numbers, lists, structs).
+        InputError: a JSONL file is binary or a corrupt compressed file.
     """
     if fmt == "jsonl":
-        records, _ = read_jsonl_records(path, storage)
+        records = read_jsonl_records(path, storage)
         require_keys(path, records, (query_column, passage_column))
-
-        def col(key):
-            return pa.array([None if r is None or r.get(key) is None else str(r.get(key)) for r in records], pa.string())
-
-        ids = col(id_column) if any(r is not None and id_column in r for r in records) else None
-        return col(query_column), col(passage_column), ids, np.array([r is None for r in records], dtype=bool)
+        q, rep_q = jsonl_text_column(records, query_column, path, "text")
+        p, rep_p = jsonl_text_column(records, passage_column, path, "text")
+        ids = (jsonl_text_column(records, id_column, path, "id")[0]
+               if any(r is not None and id_column in r for r in records) else None)
+        return q, p, ids, np.array([r is None for r in records], dtype=bool), rep_q | rep_p
 
     def read() -> pa.Table:
         with open_input(path, storage) as f:
             pf = pq.ParquetFile(f)
             names = pf.schema_arrow.names
             require_columns(path, names, (query_column, passage_column))
+            check_column_types(path, pf.schema_arrow, (query_column, passage_column), (id_column,))
             cols = [query_column, passage_column] + ([id_column] if id_column in names else [])
             return pf.read_row_group(row_group, columns=cols) if row_group >= 0 else pf.read(columns=cols)
 
     table = storage.retry("read", path, read)
-    as_str = lambda a: pc.cast(a.combine_chunks(), pa.string())  # noqa: E731
-    ids = as_str(table.column(id_column)) if id_column in table.column_names else None
-    return as_str(table.column(query_column)), as_str(table.column(passage_column)), ids, None
+    q, rep_q = arrow_text_column(table.column(query_column), query_column, path, "text")
+    p, rep_p = arrow_text_column(table.column(passage_column), passage_column, path, "text")
+    ids = (arrow_text_column(table.column(id_column), id_column, path, "id")[0]
+           if id_column in table.column_names else None)
+    return q, p, ids, None, rep_q | rep_p
 
 
 def pair_skip_reasons(queries: pa.Array, passages: pa.Array, invalid: np.ndarray | None) -> pa.Array:
@@ -86,7 +95,8 @@ def pair_skip_reasons(queries: pa.Array, passages: pa.Array, invalid: np.ndarray
 
 class ReadPairs:
     """Read operator of filter-pairs: work units (``operators.read.UNIT_SCHEMA``) -> one row per pair with
-    ``shard_index, row_index, pair_id`` (the id column, else "shard:row"), ``query, passage, skip_reason``."""
+    ``shard_index, row_index, pair_id`` (the id column, else "shard:row"), ``query, passage, skip_reason`` and
+    ``text_repaired`` (invalid UTF-8 in the query or passage replaced with U+FFFD)."""
 
     def __init__(self, query_column: str = "query", passage_column: str = "passage", id_column: str = "id",
                  storage: Storage = LOCAL):
@@ -96,14 +106,16 @@ class ReadPairs:
     def __call__(self, units: pa.Table) -> pa.Table:
         tables = []
         for u in units.to_pylist():
-            q, p, ids, invalid = read_pair_columns(u["path"], u["format"], u["row_group"], self.query_column,
-                                                   self.passage_column, self.id_column, self.storage)
+            q, p, ids, invalid, repaired = read_pair_columns(u["path"], u["format"], u["row_group"],
+                                                             self.query_column, self.passage_column, self.id_column,
+                                                             self.storage)
             rows = np.arange(u["row_offset"], u["row_offset"] + len(q), dtype=np.int64)
             fallback = pa.array([f"{u['shard_index']}:{r}" for r in rows.tolist()], pa.string())
             pair_ids = fallback if ids is None else pc.coalesce(ids, fallback)
             tables.append(pa.table({
                 "shard_index": pa.array(np.full(len(q), u["shard_index"], np.int32)), "row_index": rows,
                 "pair_id": pair_ids, "query": q, "passage": p, "skip_reason": pair_skip_reasons(q, p, invalid),
+                "text_repaired": pa.array(repaired, pa.bool_()),
             }))
         return pa.concat_tables(tables)
 
@@ -189,6 +201,7 @@ class PairWriter:
         stats = Counter()
         reasons = batch.column("skip_reason").to_pylist()
         stats["pairs_in"] = batch.num_rows
+        stats["pairs_text_repaired"] = int(batch.column("text_repaired").to_numpy(zero_copy_only=False).sum())
         for r in reasons:
             if r is not None:
                 stats[f"pairs_skipped.{r}"] += 1

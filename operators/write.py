@@ -113,14 +113,15 @@ class GroupWriter:
         per_shard: dict[int, _ShardCounts] = {}
         out = {"groups": _GroupRows(), "dropped": _GroupRows()}
         docs = batch.select(
-            ["shard_index", "row_index", "id", "url", "skip_reason", "passages", "centrality", "groups", "no_group_reason",
-             "n_short_passages", "n_truncated_passages"]
+            ["shard_index", "row_index", "id", "url", "skip_reason", "text_repaired", "passages", "centrality", "groups",
+             "no_group_reason", "n_short_passages", "n_truncated_passages"]
             + (["n_token_truncated"] if "n_token_truncated" in batch.column_names else [])
         ).to_pylist()
         for d in docs:
             c = per_shard.setdefault(d["shard_index"], _ShardCounts())
             stats = c.stats
             stats["docs_in"] += 1
+            stats["docs_text_repaired"] += bool(d["text_repaired"])  # invalid UTF-8 replaced with U+FFFD, kept
             if d["skip_reason"] is not None:
                 stats[f"docs_skipped.{d['skip_reason']}"] += 1
                 continue

@@ -249,7 +249,7 @@ def cmd_mine(args) -> int:
         return 0
     print(textwrap.dedent(f"""\
         run folder: {result.run_dir}
-        documents: {s['docs_in']} in, {s['docs_with_groups']} with groups, {s['docs_without_groups']} without, {s['docs_skipped_total']} skipped
+        documents: {s['docs_in']} in, {s['docs_with_groups']} with groups, {s['docs_without_groups']} without, {s['docs_skipped_total']} skipped, {s.get('docs_text_repaired', 0)} with invalid UTF-8 replaced
         groups: {s['groups']} ({s['groups_per_doc']} per document with groups); passages covered: {s['passage_coverage_pct']}%"""))
     if s["consistency_enabled"]:
         print(f"consistency filter: kept {s['groups']} of {s['groups_mined']} mined groups "

@@ -61,8 +61,8 @@ def _plan_shard(shard, cfg: MineConfig, pool_size: int, seed: int) -> tuple[list
         layout = None
     if pool_size <= 0 and layout is not None:
         return layout, []
-    q, p, _, invalid = read_pair_columns(shard.path, shard.format, -1, i.query_column, i.passage_column,
-                                         i.pair_id_column, storage)
+    q, p, _, invalid, _ = read_pair_columns(shard.path, shard.format, -1, i.query_column, i.passage_column,
+                                            i.pair_id_column, storage)
     layout = layout or [len(q)]
     if pool_size <= 0:
         return layout, []
@@ -143,7 +143,8 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     if not c.enabled:
         raise ConfigError("consistency.enabled = False: filter-pairs is the consistency filter and cannot run without it")
     shards = discover_shards(cfg.input.path, cfg.input.format, storage)
-    check_parquet_shards(shards, (cfg.input.query_column, cfg.input.passage_column), storage)
+    check_parquet_shards(shards, (cfg.input.query_column, cfg.input.passage_column), storage,
+                         text_columns=(cfg.input.query_column, cfg.input.passage_column))
     pool_shards = None
     if c.pool_path:
         try:
@@ -238,6 +239,7 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         "pairs_in": pairs_in,
         "pairs_skipped": skipped,
         "pairs_skipped_total": sum(skipped.values()),
+        "pairs_text_repaired": int(total.get("pairs_text_repaired", 0)),
         "pairs_kept": kept,
         "pairs_dropped_consistency": dropped,
         "consistency_keep_rate_pct": round(100.0 * kept / usable, 3) if usable else 0.0,

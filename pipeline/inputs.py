@@ -17,16 +17,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from operators.read import open_input, read_jsonl_records, require_columns, require_keys
+from operators.read import (  # noqa: F401  (InputError is re-exported: pipeline code imports it from here)
+    InputError, check_column_types, jsonl_document_columns, open_input, parquet_document_columns, read_jsonl_records,
+    require_columns, require_keys, strip_compression_suffix,
+)
 from operators.storage import LOCAL, Storage
 
 SAMPLE_DIR = Path(__file__).parent / "sample" / "web-docs"
 PARQUET_SUFFIXES = (".parquet", ".pq")
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-
-
-class InputError(ValueError):
-    """The input cannot be used as given (unknown format, unreadable or corrupt file); the message names the path."""
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # each also with a compression suffix: .gz, .zst, .zstd, .bz2, .xz
 
 
 @dataclass
@@ -90,7 +89,7 @@ def _format_of(path: str, forced: str) -> str | None:
     low = path.lower()
     if low.endswith(PARQUET_SUFFIXES):
         return "parquet"
-    if low.endswith(JSONL_SUFFIXES):
+    if strip_compression_suffix(low).endswith(JSONL_SUFFIXES):
         return "jsonl"
     return None
 
@@ -116,7 +115,9 @@ def discover_shards(path: str = "", fmt: str = "auto", storage: Storage = LOCAL)
         path: a parquet/JSONL file, a folder (searched recursively), or a glob; local or an fsspec URL such as
             ``s3://bucket/prefix/``. Empty: the sample that ships with pairmine. Files and folders whose name starts
             with ``.`` or ``_`` are ignored in folders (hidden, temporary, markers).
-        fmt: ``auto`` (by extension: .parquet/.pq, .jsonl/.json/.ndjson), ``parquet`` or ``jsonl``.
+        fmt: ``auto`` (by extension: .parquet/.pq, .jsonl/.json/.ndjson, the latter also compressed:
+            .jsonl.gz, .jsonl.zst, .jsonl.bz2, .jsonl.xz...), ``parquet`` or ``jsonl`` (JSONL files are decompressed
+            by their magic bytes, whatever their name).
         storage: object store options and retries.
 
     Raises:
@@ -150,7 +151,8 @@ def discover_shards(path: str = "", fmt: str = "auto", storage: Storage = LOCAL)
         f = _format_of(p, fmt)
         if f is None:
             raise InputError(
-                f"input {p}: cannot tell the format from the name (.parquet/.pq or .jsonl/.json/.ndjson); "
+                f"input {p}: cannot tell the format from the name (.parquet/.pq or .jsonl/.json/.ndjson, the latter "
+                "optionally .gz/.zst/.bz2/.xz); "
                 "set input.format to parquet or jsonl, or point --input at the data files"
             )
         full = Storage.url(path, p)
@@ -161,16 +163,26 @@ def discover_shards(path: str = "", fmt: str = "auto", storage: Storage = LOCAL)
     return shards
 
 
-def check_parquet_shards(shards: list[Shard], required: tuple[str, ...], storage: Storage = LOCAL) -> int:
-    """Read every parquet shard's footer (cheap, also on s3://): check that it is parquet and has the required
-    columns, before any work starts.
+def check_parquet_shards(shards: list[Shard], required: tuple[str, ...], storage: Storage = LOCAL,
+                         text_columns: tuple[str, ...] | None = None) -> int:
+    """Read every parquet shard's footer (cheap, also on s3://): check that it is parquet, has the required
+    columns, and that its text columns hold text, before any work starts.
+
+    Args:
+        required: the columns every shard must have.
+        text_columns: those of ``required`` that must be text (string or binary); the others are ids (strings or
+            numbers). None: the first of ``required`` (the text column; ``(text, id)`` is the usual order).
 
     Returns:
         The parquet shards' total row count (JSONL shards count 0).
 
     Raises:
         InputError: a file is not readable parquet. MissingColumnError: a required column is missing.
+        ColumnTypeError (an InputError): a text column is not text, or an id column is a list or struct; the
+            message names the column, its type and the file.
     """
+    text_columns = tuple(required[:1]) if text_columns is None else tuple(text_columns)
+    id_columns = tuple(c for c in required if c not in text_columns)
     total = 0
     for shard in shards:
         if shard.format != "parquet":
@@ -178,13 +190,14 @@ def check_parquet_shards(shards: list[Shard], required: tuple[str, ...], storage
         def footer(path=shard.path):
             with open_input(path, storage) as f:
                 pf = pq.ParquetFile(f)
-                return pf.schema_arrow.names, pf.metadata.num_rows
+                return pf.schema_arrow, pf.metadata.num_rows
 
         try:
-            names, rows = storage.retry("read", shard.path, footer)
+            schema, rows = storage.retry("read", shard.path, footer)
         except (pa.ArrowInvalid, OSError) as e:
             raise InputError(f"input {shard.path} is not a readable parquet file: {e}") from None
-        require_columns(shard.path, names, required)
+        require_columns(shard.path, schema.names, required)
+        check_column_types(shard.path, schema, text_columns, id_columns)
         total += rows
     return total
 
@@ -212,8 +225,14 @@ def scan_shard(
     lowest ``2 * size * (its share of the rows)`` passages, so the lowest ``size`` over all shards are a uniform,
     seeded sample of the input's passages.
 
+    Texts and ids are decoded as the read stage decodes them (:func:`operators.read.parquet_document_columns`,
+    :func:`operators.read.jsonl_document_columns`): invalid UTF-8 replaced, compressed JSONL decompressed.
+
     Raises:
         MissingColumnError: the shard lacks the text or id column (the message names the column and the file).
+        ColumnTypeError (an InputError): the text column is not text (for JSONL: a record's text is a number,
+            list, ...); the message names the column, its type and the file.
+        InputError: a JSONL shard is binary, or a compressed file that cannot be decompressed.
     """
     from operators.read import skip_reasons
 
@@ -222,22 +241,18 @@ def scan_shard(
             with open_input(shard.path, storage) as f:
                 pf = pq.ParquetFile(f)
                 require_columns(shard.path, pf.schema_arrow.names, (text_column, id_column))
+                check_column_types(shard.path, pf.schema_arrow, (text_column,), (id_column,))
                 rows = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
                 return rows, pf.read(columns=[id_column, text_column])
 
         rg_rows, table = storage.retry("read", shard.path, read)
-        ids = table.column(id_column).combine_chunks()
-        texts = table.column(text_column).combine_chunks()
-        ids = ids.cast(pa.string()) if ids.type != pa.string() else ids
-        texts = texts.cast(pa.string()) if texts.type != pa.string() else texts
-        invalid = None
+        cols = parquet_document_columns(shard.path, table, text_column, id_column)
     else:
-        records, _ = read_jsonl_records(shard.path, storage)
+        records = read_jsonl_records(shard.path, storage)
         require_keys(shard.path, records, (text_column, id_column))
         rg_rows = [len(records)]
-        ids = pa.array([None if r is None or r.get(id_column) is None else str(r.get(id_column)) for r in records], pa.string())
-        texts = pa.array([None if r is None or not isinstance(r.get(text_column), str) else r[text_column] for r in records], pa.string())
-        invalid = np.array([r is None for r in records], dtype=bool)
+        cols = jsonl_document_columns(shard.path, records, text_column, id_column)
+    ids, texts, invalid = cols.ids, cols.texts, cols.invalid
     priority = np.random.default_rng([seed, shard.index]).random(len(ids))  # (rows,)
     reasons = skip_reasons(ids, texts, np.zeros(len(ids), bool), invalid)
     candidate = pc.is_null(reasons).to_numpy(zero_copy_only=False) & (priority < cut)

@@ -326,6 +326,7 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
         "docs_in": docs_in,
         "docs_skipped": skipped,
         "docs_skipped_total": sum(skipped.values()),
+        "docs_text_repaired": int(total["docs_text_repaired"]),  # invalid UTF-8 / lone surrogates -> U+FFFD
         "docs_processed": processed,
         "docs_with_groups": with_g,
         "docs_without_groups": without_g,

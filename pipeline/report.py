@@ -194,27 +194,26 @@ def _read_groups(run: Path) -> list[tuple[int, "object"]]:
 
 
 def _find_texts(shard: dict, id_column: str, text_column: str, ids: set[str], storage) -> dict[str, str]:
-    """The text of each of ``ids`` in one input shard (first occurrence, like the read stage)."""
+    """The text of each of ``ids`` in one input shard (first occurrence), decoded as the read stage decodes it."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from operators.read import open_input, read_jsonl_records
+    from operators.read import (
+        jsonl_document_columns, open_input, parquet_document_columns, read_jsonl_records,
+    )
 
-    found: dict[str, str] = {}
+    path = shard["path"]
     if shard["format"] == "parquet":
-        with open_input(shard["path"], storage) as f:
-            t = pq.read_table(f, columns=[id_column, text_column])
-        id_col = pc.cast(t.column(id_column), pa.string())
-        mask = pc.is_in(id_col, value_set=pa.array(sorted(ids), pa.string()))
-        rows = t.filter(mask)
-        for i, text in zip(pc.cast(rows.column(id_column), pa.string()).to_pylist(), rows.column(text_column).to_pylist()):
-            found.setdefault(i, text)
+        with open_input(path, storage) as f:
+            cols = parquet_document_columns(path, pq.read_table(f, columns=[id_column, text_column]), text_column,
+                                            id_column)
     else:
-        records, _ = read_jsonl_records(shard["path"], storage)
-        for r in records:
-            if r is not None and r.get(id_column) is not None and str(r.get(id_column)) in ids:
-                found.setdefault(str(r[id_column]), r.get(text_column))
+        cols = jsonl_document_columns(path, read_jsonl_records(path, storage), text_column, id_column)
+    mask = pc.is_in(cols.ids, value_set=pa.array(sorted(ids), pa.string()))
+    found: dict[str, str] = {}
+    for i, text in zip(cols.ids.filter(mask).to_pylist(), cols.texts.filter(mask).to_pylist()):
+        found.setdefault(i, text)
     return found
 
 
@@ -348,6 +347,7 @@ def _summary_rows(stats: dict, manifest: dict) -> list[tuple[str, str, str]]:
         ("anchor threshold (centrality)", _num(stats.get("anchor_threshold")), "0.825 with E5"),
         ("documents in / processed / skipped",
          f"{stats.get('docs_in', 0)} / {stats.get('docs_processed', 0)} / {stats.get('docs_skipped_total', 0)}", ""),
+        ("documents whose invalid UTF-8 was replaced (U+FFFD)", str(stats.get("docs_text_repaired", 0)), ""),
         ("documents with groups, % of processed", f"{stats.get('docs_with_groups', 0)} "
          f"({stats.get('docs_with_groups_pct', 0):.1f}%)", "99%"),
         ("documents with groups, % of those with enough passages",

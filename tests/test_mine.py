@@ -4,8 +4,10 @@ bad input (tiny model), checking schema, reconciliation and the group invariants
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import joblib
 import pyarrow as pa
@@ -231,7 +233,8 @@ def test_cli_unknown_model_fails_before_any_work(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no half-made run folder
 
 
-@pytest.mark.parametrize("case", ["not-data", "corrupt", "output-is-file", "bad-run-id", "jsonl-missing-key"])
+@pytest.mark.parametrize("case", ["not-data", "corrupt", "output-is-file", "bad-run-id", "jsonl-missing-key",
+                                  "text-not-text", "corrupt-gzip"])
 def test_cli_user_errors_are_one_line(tmp_path, case):
     args = ["--output", str(tmp_path / "runs")]
     if case == "not-data":
@@ -249,6 +252,14 @@ def test_cli_user_errors_are_one_line(tmp_path, case):
     elif case == "bad-run-id":
         args += ["--run-id", "../escape"]
         expected = "output.run_id = '../escape' is not allowed"
+    elif case == "text-not-text":
+        pq.write_table(pa.table({"id": ["a"], "text": [3]}), tmp_path / "ints.parquet")
+        args += ["--input", str(tmp_path / "ints.parquet")]
+        expected = "ints.parquet: column 'text' has type int64, which is not text"
+    elif case == "corrupt-gzip":
+        (tmp_path / "d.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00" + b"garbage, not deflate data" * 40)
+        args += ["--input", str(tmp_path / "d.jsonl.gz")]
+        expected = "d.jsonl.gz is not a readable gzip file"
     else:
         (tmp_path / "d.jsonl").write_text(json.dumps({"id": "a", "body": "text"}) + "\n")
         args += ["--input", str(tmp_path / "d.jsonl")]
@@ -257,6 +268,27 @@ def test_cli_user_errors_are_one_line(tmp_path, case):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert expected in proc.stderr and "Traceback" not in proc.stderr and "ray::" not in proc.stderr
     assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []  # no half-made run folder
+
+
+CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
+
+
+@pytest.mark.skipif(not CASES.exists(), reason="needs ../shared/cases")
+def test_lone_surrogate_and_gzip_jsonl_are_mined(tiny_model_dir, tmp_path):
+    """Issue 14 items 1-2: a lone surrogate escape is replaced and counted (no RayTaskError), gzip JSONL is read as
+    its 10 documents (not 66 invalid_json lines)."""
+    d = tmp_path / "in"
+    d.mkdir()
+    # Named to sort first: its 8 documents are mined, their 8 copies in the gzip file are duplicate ids.
+    shutil.copy(CASES / "lone-surrogate.jsonl", d / "a-lone-surrogate.jsonl")
+    shutil.copy(CASES / "datatrove-style.jsonl.gz", d / "b-datatrove-style.jsonl.gz")
+    cfg = load_config(overrides=[f"input.path={d}", f"output.path={tmp_path / 'runs'}", "output.run_id=r",
+                                 f"embed.model={tiny_model_dir}", "anchors.threshold=0.0", "consistency.enabled=false"])
+    s = mine(cfg).stats
+    assert s["docs_in"] == 8 + 10 and s["docs_text_repaired"] == 1 and s["reconciled"]
+    assert s["docs_skipped"] == {"null_id": 0, "null_text": 0, "empty_text": 0, "duplicate_id": 8, "invalid_json": 0}
+    groups = pq.read_table(tmp_path / "runs" / "r" / "groups").to_pylist()
+    assert any("\ufffd" in g["anchor_text"] or any("\ufffd" in t for t in g["related_texts"]) for g in groups)
 
 
 def test_consistency_side_output_holds_every_dropped_group(tiny_model_dir, sample_dir, out):

@@ -1,6 +1,8 @@
 """Bad input at the read stage: every unusable document is marked with its reason, never dropped (SPEC "Read")."""
 
 import json
+import re
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -91,3 +93,199 @@ def test_duplicates_inside_one_shard_and_null_ids(tmp_path):
     _, scans, units = _plan(tmp_path)
     assert duplicate_rows(scans) == {0: [2, 5, 6]}
     assert units[0]["duplicate_rows"] == [2, 5, 6]
+
+
+# ---- text that is not valid UTF-8 or not text, compressed JSONL (issue 14 items 1 and 2) ----------------------------
+
+CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
+DOCS = [{"id": i, "text": f"Document number {i} says something about topic {i % 3}. " * 3, "url": f"https://x/{i}"}
+        for i in range(6)]
+
+
+def _compress(codec: str, data: bytes) -> bytes:
+    import bz2
+    import gzip
+    import lzma
+
+    if codec == "zstd":
+        from backports import zstd
+
+        half = len(data) // 2
+        return zstd.compress(data[:half]) + zstd.compress(data[half:])  # two frames, as streaming writers make
+    if codec == "gzip":
+        half = len(data) // 2
+        return gzip.compress(data[:half]) + gzip.compress(data[half:])  # two members
+    return {"bz2": bz2.compress, "xz": lzma.compress}[codec](data)
+
+
+def _read(path, fmt="auto", storage=None):
+    from operators.storage import LOCAL
+
+    storage = storage or LOCAL
+    shards = discover_shards(str(path), fmt, storage)
+    scans = [scan_shard(s, "text", "id", 100, 0, storage=storage) for s in shards]
+    units = work_units(shards, scans, duplicate_rows(scans))
+    return shards, scans, ReadDocuments(storage=storage)(pa.Table.from_pylist(units))
+
+
+def _jsonl_bytes(rows) -> bytes:
+    return ("\n".join(json.dumps(r) for r in rows) + "\n").encode()
+
+
+@pytest.mark.parametrize("codec,suffix", [("gzip", ".gz"), ("zstd", ".zst"), ("bz2", ".bz2"), ("xz", ".xz")])
+def test_compressed_jsonl_gives_the_rows_of_the_plain_file(tmp_path, codec, suffix):
+    data = _jsonl_bytes(DOCS)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "d.jsonl").write_bytes(data)
+    (tmp_path / "packed").mkdir()
+    (tmp_path / "packed" / f"d.jsonl{suffix}").write_bytes(_compress(codec, data))
+    (tmp_path / "packed" / "notes.txt").write_text("not an input")  # ignored in a folder, as before
+    _, _, plain = _read(tmp_path / "plain")
+    shards, scans, packed = _read(tmp_path / "packed")  # found by suffix in a folder
+    assert [s.format for s in shards] == ["jsonl"] and scans[0].num_rows == 6
+    assert packed.equals(plain) and packed.column("skip_reason").null_count == 6  # no invalid_json
+    # Any name, format forced: the codec is told from the magic bytes.
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "part-0.data").write_bytes(_compress(codec, data))
+    _, _, forced = _read(tmp_path / "other" / "part-0.data", fmt="jsonl")
+    assert forced.drop_columns(["shard_index"]).equals(plain.drop_columns(["shard_index"]))
+
+
+@pytest.mark.parametrize("codec", ["gzip", "zstd", "bz2", "xz"])
+def test_corrupt_compressed_jsonl_is_one_input_error(tmp_path, codec):
+    from operators.read import InputError
+
+    packed = _compress(codec, _jsonl_bytes(DOCS * 50))
+    (tmp_path / "cut.jsonl.x").write_bytes(packed[: len(packed) * 2 // 3])  # truncated download
+    with pytest.raises(InputError, match=rf"input .*cut\.jsonl\.x is not a readable {codec} file"):
+        _read(tmp_path / "cut.jsonl.x", fmt="jsonl")
+
+
+def test_binary_file_read_as_jsonl_is_one_input_error(tmp_path):
+    from operators.read import InputError
+
+    (tmp_path / "image.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    with pytest.raises(InputError, match=r"image\.jsonl cannot be read as JSONL: .*binary data"):
+        _read(tmp_path / "image.jsonl")
+    pq.write_table(pa.table({"id": ["a"], "text": ["t"]}), tmp_path / "p.bin")
+    with pytest.raises(InputError, match=r"p\.bin cannot be read as JSONL: .*parquet file"):
+        _read(tmp_path / "p.bin", fmt="jsonl")
+
+
+@pytest.mark.skipif(not (CASES / "datatrove-style.jsonl.gz").exists(), reason="needs ../shared/cases")
+def test_datatrove_style_gzip_case_reads_10_documents():
+    shards, scans, docs = _read(CASES / "datatrove-style.jsonl.gz")
+    assert shards[0].format == "jsonl" and scans[0].num_rows == 10
+    assert docs.num_rows == 10 and docs.column("skip_reason").null_count == 10  # 0 invalid_json (was 66)
+
+
+def test_jsonl_lone_surrogates_latin1_bytes_and_boms_are_repaired(tmp_path):
+    lines = [
+        b'\xef\xbb\xbf{"id": "bom-file", "text": "starts the file after a BOM"}',
+        b'{"id": "surrogate", "text": "broken emoji \\ud83d here", "url": "https://x/\\udc00"}',
+        b'{"id": "pair", "text": "a whole emoji \\ud83d\\ude00 stays"}',
+        b'{"id": "latin1", "text": "caf\xe9 cr\xe8me"}',
+        b'\xef\xbb\xbf{"id": "bom-line", "text": "\\ufeffBOM on the line and in the text"}',
+        b'{"id": "id-\\udfff", "text": "only the id is broken"}',
+    ]
+    (tmp_path / "d.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    _, scans, docs = _read(tmp_path / "d.jsonl")
+    assert docs.column("skip_reason").to_pylist() == [None] * 6  # the BOM lines are not invalid JSON
+    assert docs.column("text").to_pylist() == [
+        "starts the file after a BOM", "broken emoji \ufffd here", "a whole emoji \U0001F600 stays",
+        "caf\ufffd cr\ufffdme", "BOM on the line and in the text", "only the id is broken"]
+    assert docs.column("id").to_pylist()[5] == "id-\ufffd" and docs.column("url").to_pylist()[1] == "https://x/\ufffd"
+    assert docs.column("text_repaired").to_pylist() == [False, True, False, True, False, True]
+    assert len(scans[0].sample) == 6  # the first pass reads the same texts (it crashed on the surrogate)
+    assert all(t.encode("utf-8") for _, t in scans[0].sample)
+
+
+@pytest.mark.skipif(not (CASES / "lone-surrogate.jsonl").exists(), reason="needs ../shared/cases")
+def test_lone_surrogate_case_reads_8_documents_one_repaired():
+    _, _, docs = _read(CASES / "lone-surrogate.jsonl")
+    assert docs.num_rows == 8 and docs.column("skip_reason").null_count == 8
+    assert docs.column("text_repaired").to_pylist() == [False, False, False, True, False, False, False, False]
+    assert docs.column("text").to_pylist()[3].startswith("broken emoji \ufffd here")
+
+
+def test_parquet_binary_text_with_invalid_utf8_and_bom_is_repaired(tmp_path):
+    texts = [b"plain valid text", b"latin-1 caf\xe9 bytes", b"\xef\xbb\xbfBOM then text", None, "caf\u00e9".encode()]
+    pq.write_table(pa.table({"id": pa.array([1, 2, 3, 4, 5], pa.int64()), "text": pa.array(texts, pa.binary())}),
+                   tmp_path / "b.parquet")
+    check_parquet_shards(discover_shards(str(tmp_path)), ("text", "id"))  # binary is text: accepted
+    _, scans, docs = _read(tmp_path)
+    assert docs.column("text").to_pylist() == ["plain valid text", "latin-1 caf\ufffd bytes", "BOM then text", None,
+                                               "caf\u00e9"]
+    assert docs.column("id").to_pylist() == ["1", "2", "3", "4", "5"]  # integer ids stay fine
+    assert docs.column("text_repaired").to_pylist() == [False, True, False, False, False]
+    assert docs.column("skip_reason").to_pylist() == [None, None, None, "null_text", None]
+    assert len(scans[0].sample) == 4
+
+
+@pytest.mark.parametrize("values,type_name", [
+    (pa.array([1, 2], pa.int64()), "int64"),
+    (pa.array([1.5, 2.5], pa.float64()), "double"),
+    (pa.array([["a"], ["b"]], pa.list_(pa.string())), "list<element: string>"),
+    (pa.array([{"body": "a"}, {"body": "b"}]), "struct<body: string>"),
+])
+def test_parquet_text_column_that_is_not_text_is_refused(tmp_path, values, type_name):
+    from operators.read import ColumnTypeError
+
+    pq.write_table(pa.table({"id": ["a", "b"], "text": values}), tmp_path / "x.parquet")
+    message = rf"input .*x\.parquet: column 'text' has type {re.escape(type_name)}, which is not text"
+    with pytest.raises(ColumnTypeError, match=message):
+        check_parquet_shards(discover_shards(str(tmp_path)), ("text", "id"))  # footer only, before any work
+    with pytest.raises(ColumnTypeError, match=message):
+        _read(tmp_path)
+
+
+def test_parquet_id_column_of_lists_is_refused(tmp_path):
+    from operators.read import ColumnTypeError
+
+    pq.write_table(pa.table({"id": [[1], [2]], "text": ["a", "b"]}), tmp_path / "x.parquet")
+    with pytest.raises(ColumnTypeError, match=r"x\.parquet: column 'id' has type list<element: int64>"):
+        check_parquet_shards(discover_shards(str(tmp_path)), ("text", "id"))
+
+
+@pytest.mark.parametrize("value,json_type", [(7, "number"), (2.5, "number"), (["a", "b"], "array"),
+                                             ({"body": "a"}, "object"), (True, "boolean")])
+def test_jsonl_text_that_is_not_a_string_is_refused(tmp_path, value, json_type):
+    from operators.read import ColumnTypeError
+
+    rows = [{"id": 1, "text": "a real text"}, {"id": 2, "text": value}]
+    (tmp_path / "d.jsonl").write_bytes(_jsonl_bytes(rows))
+    with pytest.raises(ColumnTypeError, match=rf"d\.jsonl: column 'text' holds a JSON {json_type} in record 2"):
+        _read(tmp_path)
+
+
+def test_pairs_are_read_with_the_same_decoding(tmp_path):
+    import gzip
+
+    from operators.pairs import read_pair_columns
+
+    rows = b'{"query": "q \\ud83d", "passage": "caf\xe9", "id": 5}\n\xef\xbb\xbf{"query": "q2", "passage": "p2"}\n'
+    (tmp_path / "p.jsonl.gz").write_bytes(gzip.compress(rows))
+    q, p, ids, invalid, repaired = read_pair_columns(str(tmp_path / "p.jsonl.gz"), "jsonl", -1, "query", "passage",
+                                                     "id")
+    assert q.to_pylist() == ["q \ufffd", "q2"] and p.to_pylist() == ["caf\ufffd", "p2"]
+    assert ids.to_pylist() == ["5", None] and invalid.tolist() == [False, False] and repaired.tolist() == [True, False]
+    pq.write_table(pa.table({"query": pa.array([b"ok", b"\xff"], pa.binary()), "passage": ["a", "b"]}),
+                   tmp_path / "p.parquet")
+    q, _, _, _, repaired = read_pair_columns(str(tmp_path / "p.parquet"), "parquet", -1, "query", "passage", "id")
+    assert q.to_pylist() == ["ok", "\ufffd"] and repaired.tolist() == [False, True]
+
+
+def test_compressed_jsonl_on_s3(s3_server, tmp_path):
+    from backports import zstd
+
+    from operators.storage import Storage
+
+    storage = Storage(endpoint_url=s3_server.endpoint)
+    data = _jsonl_bytes(DOCS)
+    root = f"s3://pairmine-test/read-compressed-{tmp_path.name}"
+    storage.write_bytes(f"{root}/a.jsonl.zst", zstd.compress(data))
+    storage.write_bytes(f"{root}/b.jsonl.gz", _compress("gzip", data))
+    shards, _, docs = _read(root, storage=storage)
+    assert [s.path.rsplit("/", 1)[-1] for s in shards] == ["a.jsonl.zst", "b.jsonl.gz"]
+    assert docs.num_rows == 12 and docs.column("skip_reason").to_pylist() == [None] * 6 + ["duplicate_id"] * 6
+    assert docs.column("text").to_pylist()[:6] == [d["text"] for d in DOCS]
