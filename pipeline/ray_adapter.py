@@ -8,6 +8,7 @@ Ray Data fuses with their neighbours.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -85,9 +86,15 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
     if ray.is_initialized():
         return f"existing {describe_cluster()}"
     address = address or os.environ.get("RAY_ADDRESS", "")
-    runtime_env = {"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}}
+    env_vars = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    runtime_env = {"env_vars": env_vars}
     if address and address != "local":
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        # Inside a submitted Ray job, Ray refuses a ray.init runtime_env that sets a variable the job's own
+        # runtime_env sets too: ours only fills in what the job left out.
+        job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}").get("runtime_env") or {}
+        given = job_env.get("env_vars") or {}
+        env_vars = {k: v for k, v in env_vars.items() if k not in given}
+        ray.init(address=address, runtime_env={"env_vars": env_vars} if env_vars else None, log_to_driver=True)
         return f"cluster {describe_cluster()}"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     kwargs: dict[str, Any] = dict(

@@ -36,18 +36,32 @@ class RayNode:
         log_dir: where the node's ``ray start`` output goes.
     """
 
-    def __init__(self, num_cpus: int = 1, address: str | None = None, log_dir: Path | None = None):
-        self.num_cpus, self.head_address = num_cpus, address
+    def __init__(self, num_cpus: int = 1, address: str | None = None, log_dir: Path | None = None,
+                 dashboard: bool = False):
+        self.num_cpus, self.head_address, self.dashboard = num_cpus, address, dashboard
         self.port = free_port() if address is None else None
         self.address = address or f"127.0.0.1:{self.port}"
+        self.dashboard_port = free_port() if dashboard and address is None else None
         self.log_dir = Path(log_dir or "/tmp")
         self.proc: subprocess.Popen | None = None
+
+    @property
+    def dashboard_url(self) -> str:
+        """The head's dashboard (and job server) address, for ``JobSubmissionClient``."""
+        return f"http://127.0.0.1:{self.dashboard_port}"
 
     def start(self, timeout: float = 90.0) -> "RayNode":
         cmd = [ray_binary(), "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={self.num_cpus}",
                "--num-gpus=0", "--disable-usage-stats"]
+        # Every port of its own, so that several nodes (and other Rays) live side by side on one machine.
+        for flag in ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+                     "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port"):
+            cmd.append(f"--{flag}={free_port()}")
         if self.head_address is None:
-            cmd += ["--head", f"--port={self.port}", "--include-dashboard=false", "--dashboard-host=127.0.0.1"]
+            cmd += ["--head", f"--port={self.port}", "--dashboard-host=127.0.0.1", f"--ray-client-server-port={free_port()}"]
+            cmd += [f"--include-dashboard={'true' if self.dashboard else 'false'}"]
+            if self.dashboard:
+                cmd.append(f"--dashboard-port={self.dashboard_port}")
         else:
             cmd += [f"--address={self.head_address}"]
         log = open(self.log_dir / f"ray-node-{os.getpid()}-{time.time_ns()}.log", "ab")

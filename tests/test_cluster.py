@@ -1,0 +1,107 @@
+"""pairmine on a real two-node Ray cluster started by the test on 127.0.0.1 (issue 10, item 2a): a mining run
+submitted through Ray's job-submission API (what ``deploy/submit.sh`` and KubeRay's RayJob use) writes the same
+groups as the same command run locally. The nodes are stopped by PID, never with ``ray stop``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from tests.raycluster import RayNode
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def wait_for(check, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while True:
+        try:
+            value = check()
+            if value:
+                return value
+        except RuntimeError:  # a process that died: no point in waiting
+            raise
+        except Exception:  # noqa: BLE001 - the server is still starting
+            if time.time() > deadline:
+                raise
+        if time.time() > deadline:
+            raise TimeoutError(f"{what} within {timeout} s")
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A head (1 CPU, dashboard and job server on 127.0.0.1) and a worker node (1 CPU)."""
+    from ray.job_submission import JobSubmissionClient
+    from ray.util.state import list_nodes
+
+    logs = tmp_path_factory.mktemp("ray-cluster")
+    head = RayNode(num_cpus=1, log_dir=logs, dashboard=True).start()
+    worker = None
+    try:
+        client = wait_for(lambda: JobSubmissionClient(head.dashboard_url), 300, "the job server did not answer")
+
+        def alive() -> int:
+            if worker is not None and worker.proc.poll() is not None:
+                raise RuntimeError(f"the worker node exited with {worker.proc.returncode}; see the logs in {logs}")
+            return len([n for n in list_nodes(address=head.dashboard_url) if n.state == "ALIVE"])
+
+        wait_for(lambda: alive() == 1, 300, "the head node did not register")  # a worker needs the head's node info
+        worker = RayNode(num_cpus=1, address=head.address, log_dir=logs).start()
+        wait_for(lambda: alive() == 2, 300, "the worker node did not join")
+        yield head, worker, client
+    finally:
+        if worker is not None:
+            worker.stop()
+        head.stop()
+
+
+def run_job(client, args: list[str], timeout: float = 600) -> tuple[str, str]:
+    """Submit ``pairmine <args>`` as a Ray job; wait for it; (status, logs)."""
+    from ray.job_submission import JobStatus
+
+    entrypoint = " ".join([sys.executable, "-m", "pipeline.cli", *args])
+    job = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": {
+        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}})
+    terminal = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+    status = wait_for(lambda: (s := client.get_job_status(job)) in terminal and s, timeout, f"job {job} did not end")
+    return str(status), client.get_job_logs(job)
+
+
+def test_submitted_job_mines_what_a_local_run_mines(cluster, ray_local, tiny_model_dir, sample_dir, tmp_path):
+    from pipeline.config import load_config
+    from pipeline.mine import mine
+
+    head, _, client = cluster
+    settings = [f"embed.model={tiny_model_dir}", "embed.dtype=float32", "anchors.threshold=0.99"]
+    shard = str(sample_dir / "000_00000.parquet")
+    t0 = time.time()
+    status, logs = run_job(client, ["mine", "--input", shard, "--output", str(tmp_path / "cluster"), "--run-id", "job",
+                                    *[a for s in settings for a in ("--set", s)]])
+    job_s = time.time() - t0
+    assert status == "SUCCEEDED", logs[-4000:]
+    manifest = json.loads((tmp_path / "cluster" / "job" / "manifest.json").read_text())
+    assert manifest["resolved"]["ray"].startswith("cluster ")
+    assert manifest["resolved"]["ray"].endswith("(2 node(s), 2 CPUs, 0 GPUs)")
+
+    t0 = time.time()
+    mine(load_config(overrides=[f"input.path={shard}", f"output.path={tmp_path / 'local'}", "output.run_id=local",
+                                *settings]))
+    print(f"\ntwo-node job {job_s:.1f} s (submission to end), local run {time.time() - t0:.1f} s")
+    job = pq.read_table(tmp_path / "cluster" / "job" / "groups").drop_columns(["run_id"])
+    local = pq.read_table(tmp_path / "local" / "local" / "groups").drop_columns(["run_id"])
+    exact = ["group_id", "doc_id", "anchor_index", "anchor_text", "related_indices", "related_texts", "n_above"]
+    assert job.num_rows > 0 and job.select(exact).equals(local.select(exact))
+    for col in ("related_dense", "related_tfidf", "related_rrf"):
+        assert np.allclose(pc.list_flatten(job.column(col)).to_numpy(), pc.list_flatten(local.column(col)).to_numpy(),
+                           atol=1e-4)
+    assert json.loads((tmp_path / "cluster" / "job" / "stats.json").read_text())["groups"] == local.num_rows
