@@ -8,7 +8,7 @@
     commit             stats.json, manifest.json, then the _SUCCESS marker
 
 Run folder layout (``<output>/<run_id>/``): ``groups/part-00000.parquet`` (one part per input shard, zstd),
-``tfidf.joblib`` (the fitted vectorizer), ``stats.json``, ``manifest.json``, ``_SUCCESS`` (written last).
+``tfidf.joblib`` (the fitted ``operators.related.CorpusTfidf``), ``stats.json``, ``manifest.json``, ``_SUCCESS`` (written last).
 """
 
 from __future__ import annotations
@@ -141,11 +141,11 @@ def _make_centrality():
     return CentralityScorer()
 
 
-def _make_related(cfg: MineConfig, vectorizer):
+def _make_related(cfg: MineConfig, tfidf):
     from operators.related import RelatedMiner
 
     r = cfg.related
-    return RelatedMiner(vectorizer, cfg.resolved_threshold(), r.n_related, r.rrf_k, r.w_dense, r.w_lexical)
+    return RelatedMiner(tfidf, cfg.resolved_threshold(), r.n_related, r.rrf_k, r.w_dense, r.w_lexical)
 
 
 def _make_write(staging: str, run_id: str, model: str, threshold: float, pool_size, k, side_output: bool, storage):
@@ -462,20 +462,21 @@ def mine(cfg: MineConfig) -> MineResult:
     dups = duplicate_rows(scans)
     units = work_units(shards, scans, dups)
     from operators.chunk import chunk_text
-    from operators.related import EmptySampleError, fit_tfidf
+    from operators.related import EmptySampleError, fit_tfidf, unfitted_tfidf
 
     sample_passages = [
         p for text in tfidf_sample(scans, cfg.tfidf.sample_docs)
         for p in chunk_text(text, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages).passages
     ]
     try:
-        vectorizer = fit_tfidf(sample_passages, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)
+        tfidf = fit_tfidf(sample_passages, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)
         tfidf_note = None
     except EmptySampleError as e:
-        # No usable word in the whole sample (e.g. every document skipped): lexical scores are all 0 and the
-        # dense rank decides; said in the log and the manifest.
-        log.warning("%s; lexical (TF-IDF) scores will all be 0", e)
-        vectorizer, tfidf_note = fit_tfidf(["pairmine-empty-sample"]), str(e)
+        # No usable word in the whole sample (e.g. every document skipped): no IDF statistics, every word is
+        # unseen and weighs the same (idf 1), so lexical scores are term-frequency cosines; said in the log and the
+        # manifest.
+        log.warning("%s; lexical (TF-IDF) scores will use no IDF (every word weighs the same)", e)
+        tfidf, tfidf_note = unfitted_tfidf(cfg.tfidf.sublinear_tf), str(e)
 
     # ---- the run folder: plan, committed shards of an earlier attempt, clean staging ------------------------------
     records: dict[int, dict] = {}
@@ -495,7 +496,7 @@ def mine(cfg: MineConfig) -> MineResult:
         log.info("resuming run %s: %d of %d shard(s) already committed, %d to mine", run_id, len(records), len(shards),
                  len(shards) - len(records))
     buf = io.BytesIO()
-    joblib.dump(vectorizer, buf)
+    joblib.dump(tfidf, buf)
     storage.write_bytes(f"{run_dir}/tfidf.joblib", buf.getvalue())
     todo = [s for s in shards if s.index not in records]
     todo_units = [u for u in units if u["shard_index"] not in records]
@@ -503,7 +504,7 @@ def mine(cfg: MineConfig) -> MineResult:
     del scans
     log.info(
         "first pass: %d documents in %d work unit(s), %d duplicate id(s); TF-IDF fitted on %d passages (vocabulary %d)",
-        docs_expected, len(units), sum(len(v) for v in dups.values()), len(sample_passages), len(vectorizer.vocabulary_),
+        docs_expected, len(units), sum(len(v) for v in dups.values()), len(sample_passages), len(tfidf.vocabulary),
     )
 
     # ---- the streaming pass: one row per document from read to write ---------------------------------------------
@@ -521,7 +522,7 @@ def mine(cfg: MineConfig) -> MineResult:
             Stage("chunk", partial(_make_chunk, cfg), batch_size=batch, num_cpus=light),
             embed_stage,
             Stage("centrality", _make_centrality, batch_size=batch, num_cpus=light),
-            Stage("related", partial(_make_related, cfg, vectorizer), batch_size=batch, num_cpus=light),
+            Stage("related", partial(_make_related, cfg, tfidf), batch_size=batch, num_cpus=light),
         ]
         if c.enabled:
             t_pool = time.time()
@@ -576,7 +577,8 @@ def mine(cfg: MineConfig) -> MineResult:
         "consistency": {"enabled": c.enabled, "pool_size": pool_size, "pool_size_requested": c.pool_size, "k": c.k,
                         "seed": c.seed, "side_output": "dropped/" if side_output else None},
         "tfidf": {"file": "tfidf.joblib", "sample_docs": cfg.tfidf.sample_docs, "sample_passages": len(sample_passages),
-                  "vocabulary": len(vectorizer.vocabulary_), "seed": cfg.tfidf.seed, "warning": tfidf_note},
+                  "vocabulary": len(tfidf.vocabulary), "unseen_word_idf": round(tfidf.unseen_idf, 6),
+                  "seed": cfg.tfidf.seed, "warning": tfidf_note},
         "versions": _versions(),
         "host": platform.node(),
         "pid": os.getpid(),
