@@ -8,7 +8,8 @@
     commit             stats.json, manifest.json, then the _SUCCESS marker
 
 Run folder layout (``<output>/<run_id>/``): ``groups/part-00000.parquet`` (one part per input shard, zstd),
-``tfidf.joblib`` (the fitted ``operators.related.CorpusTfidf``), ``stats.json``, ``manifest.json``, ``_SUCCESS`` (written last).
+``tfidf.joblib`` (the fitted ``operators.related.CorpusTfidf``), ``stats.json``, ``manifest.json``, ``_SUCCESS``
+(written last).
 """
 
 from __future__ import annotations

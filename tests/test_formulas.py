@@ -99,7 +99,7 @@ def test_mine_groups_reasons_and_groups():
         assert g.dense == pytest.approx((v[g.related_indices] @ v[g.anchor_index]).tolist(), abs=1e-5)
 
 
-# ---- TF-IDF: IDF from the corpus sample, words the sample never saw weigh most (issue 14 item 11) ---------------------
+# ---- TF-IDF: IDF from the corpus sample, words the sample never saw weigh most (issue 14 item 11) -------------
 
 def _cos(rows, i, j) -> float:
     return float((rows[i] @ rows[j].T).toarray()[0, 0])  # rows are L2-normalised: the cosine is a dot product

@@ -319,9 +319,11 @@ def test_consistency_side_output_holds_every_dropped_group(tiny_model_dir, sampl
     # After the filter the same figures count the kept groups only: fewer documents, groups and covered passages.
     kept_docs = {g["doc_id"] for g in kept}
     assert s["docs_with_groups"] == len(kept_docs) <= len(docs) and s["groups"] < b["groups"]
-    assert s["passages_in_groups"] == len({(g["doc_id"], j) for g in kept for j in [g["anchor_index"], *g["related_indices"]]})
+    kept_covered = {(g["doc_id"], j) for g in kept for j in [g["anchor_index"], *g["related_indices"]]}
+    assert s["passages_in_groups"] == len(kept_covered)
     assert s["passage_coverage_pct"] <= b["passage_coverage_pct"]
     text = caplog.text
     assert "after the consistency filter: " in text and "before the consistency filter (the paper's figures" in text
-    assert f"{b['groups']} groups, {b['docs_with_groups_pct']:.1f}% of processed documents have groups, " \
-           f"{b['groups_per_doc']:.2f} groups per document with groups, {b['passage_coverage_pct']:.1f}% of passages" in text
+    assert (f"{b['groups']} groups, {b['docs_with_groups_pct']:.1f}% of processed documents have groups, "
+            f"{b['groups_per_doc']:.2f} groups per document with groups, "
+            f"{b['passage_coverage_pct']:.1f}% of passages covered") in text
