@@ -145,7 +145,8 @@ def mine_groups(
 
     Args:
         vectors: (n_passages, dim) unit passage vectors.
-        tfidf_rows: (n_passages, vocab) L2-normalised TF-IDF rows (scipy sparse or dense).
+        tfidf_rows: (n_passages, columns) L2-normalised TF-IDF rows (scipy sparse or dense), e.g.
+            :meth:`CorpusTfidf.transform_document`.
         centralities: (n_passages,) centrality of each passage.
         threshold: anchor threshold on centrality.
 
@@ -176,14 +177,16 @@ class RelatedMiner:
     (string, null when the document has groups or was skipped) to each document row.
 
     Args:
-        vectorizer: a fitted scikit-learn ``TfidfVectorizer`` (IDF from the corpus sample, L2-normalised rows).
+        tfidf: a :class:`CorpusTfidf` (IDF from the corpus sample; words it never saw weigh most), applied per
+            document.
         threshold, n_related, k, w_dense, w_lexical: see :func:`mine_groups`.
 
     Input columns: ``passages``, ``vectors``, ``centrality``, ``skip_reason``.
     """
 
-    def __init__(self, vectorizer, threshold: float, n_related: int = 4, k: float = 10.0, w_dense: float = 2.0, w_lexical: float = 1.0):
-        self.vectorizer = vectorizer
+    def __init__(self, tfidf: CorpusTfidf, threshold: float, n_related: int = 4, k: float = 10.0, w_dense: float = 2.0,
+                 w_lexical: float = 1.0):
+        self.tfidf = tfidf
         self.threshold = threshold
         self.n_related, self.k, self.w_dense, self.w_lexical = n_related, k, w_dense, w_lexical
 
@@ -194,8 +197,6 @@ class RelatedMiner:
         passages = batch.column("passages").to_pylist()
         skips = batch.column("skip_reason").to_pylist()
         cent, cent_offsets = _float_lists(batch.column("centrality"))
-        flat_passages = [p for doc in passages for p in doc]
-        tfidf = self.vectorizer.transform(flat_passages) if flat_passages else None  # (total_passages, vocab)
         all_groups, reasons = [], []
         for i in range(batch.num_rows):
             if skips[i] is not None:
@@ -203,9 +204,10 @@ class RelatedMiner:
                 reasons.append(None)
                 continue
             lo, hi = offsets[i], offsets[i + 1]
+            # One transform per document: its own unseen words are its extra columns.
             groups, reason = mine_groups(
                 matrix[lo:hi],
-                tfidf[lo:hi] if hi > lo else None,
+                self.tfidf.transform_document(passages[i]) if hi - lo > self.n_related else None,  # (n, vocab + unseen)
                 cent[cent_offsets[i] : cent_offsets[i + 1]],
                 self.threshold,
                 self.n_related,
@@ -225,22 +227,131 @@ def _float_lists(column) -> tuple[np.ndarray, np.ndarray]:
     return arr.flatten().to_numpy(zero_copy_only=False), offsets - offsets[0]
 
 
-def fit_tfidf(passages: list[str], max_features: int = 1 << 18, sublinear_tf: bool = True):
+class CorpusTfidf:
+    """TF-IDF for lexical ranking: IDF statistics from a corpus sample, and every word of a document weighted, even
+    one the sample never saw (SPEC "Related passages"; issue 14 item 11).
+
+    Words of the sample's vocabulary get scikit-learn's weights (``TfidfVectorizer`` with ``smooth_idf=True``,
+    ``norm="l2"``): with n the number of sampled passages and df(t) the number of them holding t,
+
+        idf(t) = ln((1 + n) / (1 + df(t))) + 1          (scikit-learn's smooth idf)
+
+    A word outside the vocabulary is at least as rare as the rarest sampled word, so it gets the same formula with
+    df = 0: ``idf = ln(1 + n) + 1``, the largest IDF the sample allows (n = 20,000 passages: 10.90; a word seen in
+    one of them: 10.21). It would otherwise weigh nothing, while the rare, page-specific words (names, products,
+    places) are what make TF-IDF useful inside one page. Words cut by ``max_features`` get that IDF too.
+
+    :meth:`transform_document` works on the passages of one document: its unseen words become extra columns after
+    the vocabulary's, shared by the document's passages only, so two passages of one page that share a rare name
+    score on it. tf is ``1 + ln(count)`` when ``sublinear_tf`` (else the count); rows are L2-normalised, so a cosine
+    is a dot product. A passage whose words are all in the vocabulary gets exactly scikit-learn's row (float32).
+
+    Args:
+        vectorizer: a scikit-learn ``TfidfVectorizer`` with ``smooth_idf`` and ``use_idf`` on, fitted on ``n_samples``
+            passages, or unfitted when the sample held no word (then every word is unseen: n = 0, idf = 1).
+        n_samples: the number of passages it was fitted on (n above).
+
+    Raises:
+        ValueError: ``smooth_idf`` or ``use_idf`` is off (df = 0 would give an infinite or no IDF), or
+            ``norm`` is not "l2".
+    """
+
+    def __init__(self, vectorizer, n_samples: int):
+        if not (vectorizer.smooth_idf and vectorizer.use_idf) or vectorizer.norm != "l2":
+            raise ValueError("CorpusTfidf needs a TfidfVectorizer with smooth_idf=True, use_idf=True, norm='l2'")
+        self.vectorizer = vectorizer
+        self.n_samples = int(n_samples)
+        fitted = hasattr(vectorizer, "idf_")
+        self.vocabulary: dict[str, int] = dict(vectorizer.vocabulary_) if fitted else {}
+        self.dtype = np.dtype(vectorizer.dtype)
+        self.idf = np.asarray(vectorizer.idf_, dtype=self.dtype) if fitted else np.zeros(0, self.dtype)  # (vocab,)
+        self.unseen_idf = float(np.log1p(self.n_samples) + 1.0)
+        self._analyzer = None
+
+    @property
+    def vocabulary_(self) -> dict[str, int]:
+        """The sample's vocabulary (word -> column), as scikit-learn names it."""
+        return self.vocabulary
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_analyzer"] = None  # a closure: rebuilt after unpickling
+        return state
+
+    def transform_document(self, passages: list[str]):
+        """TF-IDF rows of one document's passages.
+
+        Args:
+            passages: the document's passages (m of them).
+
+        Returns:
+            scipy CSR matrix, shape (m, vocab + u) with u the number of distinct words of these passages outside the
+            vocabulary (columns vocab.. in order of first appearance), rows L2-normalised (all-zero for a passage
+            with no word), dtype float32.
+        """
+        import scipy.sparse as sp
+        from sklearn.preprocessing import normalize
+
+        if self._analyzer is None:
+            self._analyzer = self.vectorizer.build_analyzer()
+        vocab, v = self.vocabulary, len(self.idf)
+        unseen: dict[str, int] = {}
+        indptr, indices, counts = [0], [], []
+        for text in passages:
+            row: dict[int, int] = {}
+            for word in self._analyzer(text):
+                j = vocab.get(word)
+                if j is None:
+                    j = unseen.setdefault(word, v + len(unseen))
+                row[j] = row.get(j, 0) + 1
+            indices.extend(row)
+            counts.extend(row.values())
+            indptr.append(len(indices))
+        x = sp.csr_matrix(
+            (np.asarray(counts, dtype=self.dtype), np.asarray(indices, dtype=np.int64), np.asarray(indptr, np.int64)),
+            shape=(len(passages), v + len(unseen)),
+        )  # (m, vocab + u) counts
+        x.sort_indices()
+        # scikit-learn's TfidfTransformer.transform, step for step (same dtype, same order): sublinear tf, idf, l2.
+        if self.vectorizer.sublinear_tf:
+            np.log(x.data, x.data)
+            x.data += 1.0
+        idf = np.concatenate([self.idf, np.full(len(unseen), self.unseen_idf, dtype=self.dtype)])  # (vocab + u,)
+        x.data *= idf[x.indices]
+        return normalize(x, norm="l2", copy=False)
+
+
+def fit_tfidf(passages: list[str], max_features: int = 1 << 18, sublinear_tf: bool = True) -> CorpusTfidf:
     """Fit the TF-IDF used for lexical ranking on a sample of the corpus' passages (SPEC: IDF statistics from the
-    corpus, not from the single document). scikit-learn's ``TfidfVectorizer`` with L2-normalised rows, so the
-    cosine of two passages is the dot product of their rows; unigrams, lower-cased, float32.
+    corpus, not from the single document). scikit-learn's ``TfidfVectorizer`` (smooth idf, L2-normalised rows,
+    unigrams, lower-cased, float32), wrapped in a :class:`CorpusTfidf` that also weights words the sample never saw.
+
+    Args:
+        passages: the sampled passages (n of them).
+        max_features: vocabulary size cap (the most frequent words are kept).
+        sublinear_tf: tf = 1 + ln(count) instead of the count.
 
     Raises:
         EmptySampleError: when ``passages`` is empty or holds no word at all.
     """
-    from sklearn.feature_extraction.text import TfidfVectorizer
-
-    vectorizer = TfidfVectorizer(max_features=max_features, sublinear_tf=sublinear_tf, dtype=np.float32, norm="l2")
     try:
-        vectorizer.fit(passages)
+        vectorizer = _vectorizer(max_features, sublinear_tf).fit(passages)
     except ValueError as e:
         raise EmptySampleError(f"cannot fit TF-IDF on {len(passages)} sampled passages: {e}") from e
-    return vectorizer
+    return CorpusTfidf(vectorizer, len(passages))
+
+
+def unfitted_tfidf(sublinear_tf: bool = True) -> CorpusTfidf:
+    """The TF-IDF when the sample held no word (:class:`EmptySampleError`): no vocabulary, n = 0, so every word is
+    unseen and gets idf = ln(1 + 0) + 1 = 1: lexical scores are cosines of (sublinear) term frequencies."""
+    return CorpusTfidf(_vectorizer(1, sublinear_tf), 0)
+
+
+def _vectorizer(max_features: int, sublinear_tf: bool):
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    return TfidfVectorizer(max_features=max_features, sublinear_tf=sublinear_tf, dtype=np.float32, norm="l2",
+                           smooth_idf=True)
 
 
 class EmptySampleError(ValueError):

@@ -140,6 +140,10 @@ class GroupWriter:
             kept = [g for g in groups if g.get("kept", True)]
             dropped = [g for g in groups if not g.get("kept", True)]
             stats["groups_dropped_consistency"] += len(dropped)
+            if groups:  # the paper's figures before the consistency filter (seed 000 has none): kept + dropped
+                stats["docs_with_groups_mined"] += 1
+                stats["passages_in_groups_mined"] += len(
+                    {g["anchor_index"] for g in groups} | {j for g in groups for j in g["related_indices"]})
             c.gpd_hist[min(len(kept), GROUPS_PER_DOC_MAX)] += 1
             if self.side_output:
                 for g in dropped:

@@ -105,16 +105,16 @@ def embed_documents(texts: list[str], cfg, embedder=None) -> list[EmbeddedDoc]:
     """
     from operators.centrality import centrality
     from operators.chunk import chunk_text
-    from operators.related import EmptySampleError, fit_tfidf, mine_groups
+    from operators.related import EmptySampleError, fit_tfidf, mine_groups, unfitted_tfidf
     from pipeline.evaluate import make_embedder
 
     c, r = cfg.chunk, cfg.related
     chunked = [chunk_text(t, c.max_words, c.min_words, c.max_passages).passages for t in texts]
     flat = [p for doc in chunked for p in doc]
     try:
-        vectorizer = fit_tfidf(flat, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)
+        tfidf = fit_tfidf(flat, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)
     except EmptySampleError:
-        vectorizer = fit_tfidf(["pairmine-empty-sample"])  # as the mining job: lexical scores 0, dense rank decides
+        tfidf = unfitted_tfidf(cfg.tfidf.sublinear_tf)  # as the mining job: no IDF, every word weighs the same
     embedder = embedder or make_embedder(cfg)
     log.info("calibrate: embedding %d passages of %d documents", len(flat), len(texts))
     matrix = embedder.encode(flat)  # (total_passages, dim)
@@ -127,7 +127,7 @@ def embed_documents(texts: list[str], cfg, embedder=None) -> list[EmbeddedDoc]:
         if len(passages) >= r.n_related + 1:
             # Every passage as an anchor (threshold below any centrality): the group a passage anchors does not
             # depend on the threshold, so coverage at any threshold is a union of these.
-            groups, _ = mine_groups(vectors, vectorizer.transform(passages), cent, -2.0, r.n_related, r.rrf_k,
+            groups, _ = mine_groups(vectors, tfidf.transform_document(passages), cent, -2.0, r.n_related, r.rrf_k,
                                     r.w_dense, r.w_lexical)
             used = [[g.anchor_index, *g.related_indices] for g in groups]
         docs.append(EmbeddedDoc(passages, cent, used))

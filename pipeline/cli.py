@@ -37,7 +37,7 @@ output (<output>/<run_id>/; <output> may be s3://bucket/prefix, endpoint and cre
   groups/part-NNNNN.parquet   training groups, one part per input shard (zstd), each committed on its own
   stats.json                  counts, drops by reason, the paper's figures, histograms
   manifest.json               resolved config, model, inputs, per-shard status, software versions
-  tfidf.joblib                the TF-IDF vectorizer fitted on a seeded sample of the input
+  tfidf.joblib                the TF-IDF (operators.related.CorpusTfidf) fitted on a seeded sample of the input
   dropped/part-NNNNN.parquet  groups the consistency filter dropped (with consistency.side_output=true)
   _SUCCESS                    written last: the run is complete
   <output>/_latest.json       beside the runs: the most recently committed run (format 1)

@@ -8,7 +8,8 @@
     commit             stats.json, manifest.json, then the _SUCCESS marker
 
 Run folder layout (``<output>/<run_id>/``): ``groups/part-00000.parquet`` (one part per input shard, zstd),
-``tfidf.joblib`` (the fitted vectorizer), ``stats.json``, ``manifest.json``, ``_SUCCESS`` (written last).
+``tfidf.joblib`` (the fitted ``operators.related.CorpusTfidf``), ``stats.json``, ``manifest.json``, ``_SUCCESS``
+(written last).
 """
 
 from __future__ import annotations
@@ -141,11 +142,11 @@ def _make_centrality():
     return CentralityScorer()
 
 
-def _make_related(cfg: MineConfig, vectorizer):
+def _make_related(cfg: MineConfig, tfidf):
     from operators.related import RelatedMiner
 
     r = cfg.related
-    return RelatedMiner(vectorizer, cfg.resolved_threshold(), r.n_related, r.rrf_k, r.w_dense, r.w_lexical)
+    return RelatedMiner(tfidf, cfg.resolved_threshold(), r.n_related, r.rrf_k, r.w_dense, r.w_lexical)
 
 
 def _make_write(staging: str, run_id: str, model: str, threshold: float, pool_size, k, side_output: bool, storage):
@@ -302,6 +303,36 @@ def merge_stats(parts: list[dict]) -> tuple[Counter, dict[str, list[int]]]:
     return total, hists
 
 
+def before_filter_figures(total: Counter, processed: int, eligible: int) -> dict:
+    """The paper's figures (seed 000) over every mined group, kept or dropped by the consistency filter: the xPRT
+    figures, comparable to the paper's, which has no filter. With the filter off they equal the top-level figures.
+
+    Args:
+        total: merged write-operator counts (``groups_mined``, ``docs_with_groups_mined``, ``passages_in_groups_mined``,
+            ``passages``).
+        processed: documents not skipped; eligible: documents with enough passages (with groups + no_anchor).
+
+    Returns:
+        docs_with_groups, docs_with_groups_pct (of processed), docs_with_groups_pct_of_eligible, groups,
+        groups_per_doc (per document with groups), groups_per_processed_doc, passages_in_groups,
+        passage_coverage_pct (of all passages).
+    """
+    with_g, groups = int(total["docs_with_groups_mined"]), int(total["groups_mined"])
+    covered, passages = int(total["passages_in_groups_mined"]), int(total["passages"])
+    # A document whose groups were all dropped is "without groups" after the filter but not before it.
+    eligible += int(total.get("docs_without_groups_by_reason.consistency_filter", 0))
+    return {
+        "docs_with_groups": with_g,
+        "docs_with_groups_pct": round(100.0 * with_g / processed, 3) if processed else 0.0,
+        "docs_with_groups_pct_of_eligible": round(100.0 * with_g / eligible, 3) if eligible else 0.0,
+        "groups": groups,
+        "groups_per_doc": round(groups / with_g, 4) if with_g else 0.0,
+        "groups_per_processed_doc": round(groups / processed, 4) if processed else 0.0,
+        "passages_in_groups": covered,
+        "passage_coverage_pct": round(100.0 * covered / passages, 3) if passages else 0.0,
+    }
+
+
 def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int, elapsed_s: float) -> dict:
     """stats.json: the paper's figures (seed 000: % documents with groups, groups per document, % passages
     covered), every drop by reason, and histograms.
@@ -367,6 +398,12 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
         "docs_per_s": round(docs_in / elapsed_s, 3) if elapsed_s else 0.0,
         "passages_per_s": round(passages / elapsed_s, 3) if elapsed_s else 0.0,
     }
+    stats["figures_note"] = (
+        "docs_with_groups*, groups, groups_per_doc* and passage_coverage_pct count the groups kept by the consistency "
+        "filter; before_consistency_filter holds the same figures over every mined group (kept + dropped), the ones "
+        "comparable to seed 000, which has no filter"
+    )
+    stats["before_consistency_filter"] = before_filter_figures(total, processed, eligible)
     stats["reconciled"] = docs_in == processed + stats["docs_skipped_total"] and docs_in == docs_expected
     if not stats["reconciled"]:
         raise RuntimeError(
@@ -462,20 +499,21 @@ def mine(cfg: MineConfig) -> MineResult:
     dups = duplicate_rows(scans)
     units = work_units(shards, scans, dups)
     from operators.chunk import chunk_text
-    from operators.related import EmptySampleError, fit_tfidf
+    from operators.related import EmptySampleError, fit_tfidf, unfitted_tfidf
 
     sample_passages = [
         p for text in tfidf_sample(scans, cfg.tfidf.sample_docs)
         for p in chunk_text(text, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages).passages
     ]
     try:
-        vectorizer = fit_tfidf(sample_passages, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)
+        tfidf = fit_tfidf(sample_passages, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)
         tfidf_note = None
     except EmptySampleError as e:
-        # No usable word in the whole sample (e.g. every document skipped): lexical scores are all 0 and the
-        # dense rank decides; said in the log and the manifest.
-        log.warning("%s; lexical (TF-IDF) scores will all be 0", e)
-        vectorizer, tfidf_note = fit_tfidf(["pairmine-empty-sample"]), str(e)
+        # No usable word in the whole sample (e.g. every document skipped): no IDF statistics, every word is
+        # unseen and weighs the same (idf 1), so lexical scores are term-frequency cosines; said in the log and the
+        # manifest.
+        log.warning("%s; lexical (TF-IDF) scores will use no IDF (every word weighs the same)", e)
+        tfidf, tfidf_note = unfitted_tfidf(cfg.tfidf.sublinear_tf), str(e)
 
     # ---- the run folder: plan, committed shards of an earlier attempt, clean staging ------------------------------
     records: dict[int, dict] = {}
@@ -495,7 +533,7 @@ def mine(cfg: MineConfig) -> MineResult:
         log.info("resuming run %s: %d of %d shard(s) already committed, %d to mine", run_id, len(records), len(shards),
                  len(shards) - len(records))
     buf = io.BytesIO()
-    joblib.dump(vectorizer, buf)
+    joblib.dump(tfidf, buf)
     storage.write_bytes(f"{run_dir}/tfidf.joblib", buf.getvalue())
     todo = [s for s in shards if s.index not in records]
     todo_units = [u for u in units if u["shard_index"] not in records]
@@ -503,7 +541,7 @@ def mine(cfg: MineConfig) -> MineResult:
     del scans
     log.info(
         "first pass: %d documents in %d work unit(s), %d duplicate id(s); TF-IDF fitted on %d passages (vocabulary %d)",
-        docs_expected, len(units), sum(len(v) for v in dups.values()), len(sample_passages), len(vectorizer.vocabulary_),
+        docs_expected, len(units), sum(len(v) for v in dups.values()), len(sample_passages), len(tfidf.vocabulary),
     )
 
     # ---- the streaming pass: one row per document from read to write ---------------------------------------------
@@ -521,7 +559,7 @@ def mine(cfg: MineConfig) -> MineResult:
             Stage("chunk", partial(_make_chunk, cfg), batch_size=batch, num_cpus=light),
             embed_stage,
             Stage("centrality", _make_centrality, batch_size=batch, num_cpus=light),
-            Stage("related", partial(_make_related, cfg, vectorizer), batch_size=batch, num_cpus=light),
+            Stage("related", partial(_make_related, cfg, tfidf), batch_size=batch, num_cpus=light),
         ]
         if c.enabled:
             t_pool = time.time()
@@ -576,7 +614,8 @@ def mine(cfg: MineConfig) -> MineResult:
         "consistency": {"enabled": c.enabled, "pool_size": pool_size, "pool_size_requested": c.pool_size, "k": c.k,
                         "seed": c.seed, "side_output": "dropped/" if side_output else None},
         "tfidf": {"file": "tfidf.joblib", "sample_docs": cfg.tfidf.sample_docs, "sample_passages": len(sample_passages),
-                  "vocabulary": len(vectorizer.vocabulary_), "seed": cfg.tfidf.seed, "warning": tfidf_note},
+                  "vocabulary": len(tfidf.vocabulary), "unseen_word_idf": round(tfidf.unseen_idf, 6),
+                  "seed": cfg.tfidf.seed, "warning": tfidf_note},
         "versions": _versions(),
         "host": platform.node(),
         "pid": os.getpid(),
@@ -596,12 +635,21 @@ def mine(cfg: MineConfig) -> MineResult:
     })
     kept = (f"; consistency filter kept {stats['consistency_keep_rate_pct']:.1f}% of {stats['groups_mined']} groups "
             f"(n_above < {c.k} against {pool_size} pool passages)") if c.enabled else ""
+    after = " after the consistency filter" if c.enabled else ""
     log.info(
-        "done in %.1f s: %d groups from %d documents (%.1f%% of processed documents have groups, %.2f groups per "
+        "done in %.1f s: %d groups from %d documents (%s%.1f%% of processed documents have groups, %.2f groups per "
         "document with groups, %.1f%% of passages covered)%s; %d skipped -> %s",
-        stats["elapsed_s"], stats["groups"], stats["docs_in"], stats["docs_with_groups_pct"], stats["groups_per_doc"],
-        stats["passage_coverage_pct"], kept, stats["docs_skipped_total"], run_dir,
+        stats["elapsed_s"], stats["groups"], stats["docs_in"], after.strip() + ": " if after else "",
+        stats["docs_with_groups_pct"], stats["groups_per_doc"], stats["passage_coverage_pct"], kept,
+        stats["docs_skipped_total"], run_dir,
     )
+    if c.enabled:
+        b = stats["before_consistency_filter"]
+        log.info(
+            "before the consistency filter (the paper's figures, seed 000: 99%% / 7.0 / 68%%): %d groups, %.1f%% of "
+            "processed documents have groups, %.2f groups per document with groups, %.1f%% of passages covered",
+            b["groups"], b["docs_with_groups_pct"], b["groups_per_doc"], b["passage_coverage_pct"],
+        )
     if stats["passages_token_truncated"]:
         log.warning("%d of %d passages were longer than embed.max_length = %d tokens: the model saw only their start "
                     "(passages_token_truncated in stats.json); lower chunk.max_words or raise embed.max_length",

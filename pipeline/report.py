@@ -348,17 +348,33 @@ def _summary_rows(stats: dict, manifest: dict) -> list[tuple[str, str, str]]:
         ("documents in / processed / skipped",
          f"{stats.get('docs_in', 0)} / {stats.get('docs_processed', 0)} / {stats.get('docs_skipped_total', 0)}", ""),
         ("documents whose invalid UTF-8 was replaced (U+FFFD)", str(stats.get("docs_text_repaired", 0)), ""),
+        ("passages / anchors (anchor rate)",
+         f"{stats.get('passages', 0)} / {stats.get('anchors', 0)} ({stats.get('anchor_rate_pct', 0):.1f}%)", ""),
+    ]
+    before = stats.get("before_consistency_filter")
+    filtered = stats.get("consistency_enabled", True)
+    if filtered and before:
+        # The paper's figures (seed 000) have no consistency filter: they sit beside the figures before it.
+        rows += [
+            ("<b>before the consistency filter</b> (every mined group; comparable to the paper)", "", ""),
+            ("documents with groups, % of processed", f"{before['docs_with_groups']} "
+             f"({before['docs_with_groups_pct']:.1f}%)", "99%"),
+            ("groups (mined) / groups per document with groups",
+             f"{before['groups']} / {before['groups_per_doc']:.2f}", "7.0 per document"),
+            ("passage coverage (in a mined group)", f"{before['passage_coverage_pct']:.1f}%", "68%"),
+            ("<b>after the consistency filter</b> (kept groups, the run's output)", "", "(the paper has no filter)"),
+        ]
+    paper = not (filtered and before)  # no before-filter figures (filter off, or a run from an older version)
+    rows += [
         ("documents with groups, % of processed", f"{stats.get('docs_with_groups', 0)} "
-         f"({stats.get('docs_with_groups_pct', 0):.1f}%)", "99%"),
+         f"({stats.get('docs_with_groups_pct', 0):.1f}%)", "99%" if paper else ""),
         ("documents with groups, % of those with enough passages",
          f"{stats.get('docs_with_groups_pct_of_eligible', 0):.1f}%", ""),
         ("groups (kept) / groups per document with groups",
-         f"{stats.get('groups', 0)} / {stats.get('groups_per_doc', 0):.2f}", "7.0 per document"),
-        ("passages / anchors (anchor rate)",
-         f"{stats.get('passages', 0)} / {stats.get('anchors', 0)} ({stats.get('anchor_rate_pct', 0):.1f}%)", ""),
-        ("passage coverage (in a kept group)", f"{stats.get('passage_coverage_pct', 0):.1f}%", "68%"),
+         f"{stats.get('groups', 0)} / {stats.get('groups_per_doc', 0):.2f}", "7.0 per document" if paper else ""),
+        ("passage coverage (in a kept group)", f"{stats.get('passage_coverage_pct', 0):.1f}%", "68%" if paper else ""),
     ]
-    if stats.get("consistency_enabled", True):
+    if filtered:
         rows.append(("consistency filter: pool P, k, groups kept",
                      f"P = {cons.get('pool_size')}, k = {cons.get('k')}; {stats.get('groups', 0)} of "
                      f"{stats.get('groups_mined', 0)} ({stats.get('consistency_keep_rate_pct', 0):.1f}%)",

@@ -3,6 +3,7 @@ bad input (tiny model), checking schema, reconciliation and the group invariants
 
 import io
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -291,11 +292,12 @@ def test_lone_surrogate_and_gzip_jsonl_are_mined(tiny_model_dir, tmp_path):
     assert any("\ufffd" in g["anchor_text"] or any("\ufffd" in t for t in g["related_texts"]) for g in groups)
 
 
-def test_consistency_side_output_holds_every_dropped_group(tiny_model_dir, sample_dir, out):
+def test_consistency_side_output_holds_every_dropped_group(tiny_model_dir, sample_dir, out, caplog):
     cfg = load_config(overrides=[f"input.path={sample_dir}/000_*.parquet", *out.overrides, "output.run_id=audit",
                                  f"embed.model={tiny_model_dir}", "anchors.threshold=0.99", "consistency.k=1",
                                  "consistency.side_output=true", "consistency.pool_size=300"])
-    s = mine(cfg).stats
+    with caplog.at_level(logging.INFO, logger="pairmine"):
+        s = mine(cfg).stats
     kept = out.table("audit", "groups").to_pylist()
     dropped = out.table("audit", "dropped").to_pylist()
     assert len(kept) == s["groups"] and len(dropped) == s["groups_dropped_consistency"] > 0
@@ -304,3 +306,24 @@ def test_consistency_side_output_holds_every_dropped_group(tiny_model_dir, sampl
     assert all(g["pool_size"] == 300 and g["consistency_k"] == 1 for g in kept + dropped)
     assert not {g["group_id"] for g in kept} & {g["group_id"] for g in dropped}
     assert out.json("audit", "manifest.json")["consistency"]["side_output"] == "dropped/"
+    # The paper's figures before the filter (seed 000 has none), recomputed by hand from kept + dropped groups.
+    mined = kept + dropped
+    docs = {g["doc_id"] for g in mined}
+    covered = {(g["doc_id"], j) for g in mined for j in [g["anchor_index"], *g["related_indices"]]}
+    b = s["before_consistency_filter"]
+    assert b["groups"] == len(mined) == s["groups_mined"] and b["docs_with_groups"] == len(docs)
+    assert b["docs_with_groups_pct"] == pytest.approx(100 * len(docs) / s["docs_processed"], abs=1e-3)
+    assert b["groups_per_doc"] == pytest.approx(len(mined) / len(docs), abs=1e-4)
+    assert b["passages_in_groups"] == len(covered)
+    assert b["passage_coverage_pct"] == pytest.approx(100 * len(covered) / s["passages"], abs=1e-3)
+    # After the filter the same figures count the kept groups only: fewer documents, groups and covered passages.
+    kept_docs = {g["doc_id"] for g in kept}
+    assert s["docs_with_groups"] == len(kept_docs) <= len(docs) and s["groups"] < b["groups"]
+    kept_covered = {(g["doc_id"], j) for g in kept for j in [g["anchor_index"], *g["related_indices"]]}
+    assert s["passages_in_groups"] == len(kept_covered)
+    assert s["passage_coverage_pct"] <= b["passage_coverage_pct"]
+    text = caplog.text
+    assert "after the consistency filter: " in text and "before the consistency filter (the paper's figures" in text
+    assert (f"{b['groups']} groups, {b['docs_with_groups_pct']:.1f}% of processed documents have groups, "
+            f"{b['groups_per_doc']:.2f} groups per document with groups, "
+            f"{b['passage_coverage_pct']:.1f}% of passages covered") in text

@@ -28,6 +28,11 @@ def test_report_on_a_mined_run(tiny_run, tmp_path):
     s = mined.stats
     assert "anchor threshold (centrality)" in page and "0.995" in page
     assert f"{s['passage_coverage_pct']:.1f}%" in page and f"{s['groups']} / {s['groups_per_doc']:.2f}" in page
+    # The figures before the consistency filter sit beside the paper's column (seed 000 has no filter).
+    b = s["before_consistency_filter"]
+    assert "<b>before the consistency filter</b>" in page and "<b>after the consistency filter</b>" in page
+    assert (f'<td class="n">{b["groups"]} / {b["groups_per_doc"]:.2f}</td><td class="n">7.0 per document</td>' in page)
+    assert f'<td class="n">{b["passage_coverage_pct"]:.1f}%</td><td class="n">68%</td>' in page
     assert len(res.docs) == 3 and page.count("Passages never used</b>") == 3
     groups = pq.read_table(run / "groups" / "part-00000.parquet").to_pylist()
     for d in res.docs:
