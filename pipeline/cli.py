@@ -493,12 +493,12 @@ def user_error(e: BaseException) -> str | None:
     from pipeline.evaluate import EvalInputError
     from pipeline.inputs import InputError
     from pipeline.mine import RunExistsError
-    from pipeline.ray_adapter import PlanError
+    from pipeline.ray_adapter import PlanError, StallError
     from pipeline.xprt_model import UnsupportedModelError
 
     cause = getattr(e, "cause", None) or e
     if isinstance(cause, (ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError,
-                          PermissionError, StorageError, EvalInputError, UnsupportedModelError, PlanError)):
+                          PermissionError, StorageError, EvalInputError, UnsupportedModelError, PlanError, StallError)):
         return str(cause)
     return None
 

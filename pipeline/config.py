@@ -127,6 +127,10 @@ class RayConfig:
     address: str = _f("", 'empty: $RAY_ADDRESS if set, else start a private local Ray')
     num_cpus: int = _f(0, 'local Ray only; 0: all cores')
     docs_per_batch: int = _f(64, 'documents per batch through the CPU stages and the embedder')
+    stall_warn_s: float = _f(60.0, "while no batch completes for this many seconds, log every as many seconds what Ray "
+                             "cannot place (or that a stage runs without finishing)")
+    stall_limit_s: float = _f(1800.0, "end the run with an error after this many seconds without a completed batch (the "
+                              "committed shards stay: the same --run-id resumes); 0: wait forever")
     target_block_mb: float = _f(1.0, "Ray Data block size target in MB; small blocks keep the stages streaming (progress, "
                                 "bounded memory) instead of waiting for whole row groups")
 
@@ -234,6 +238,8 @@ class MineConfig(Sections):
             ("storage.backoff_s", self.storage.backoff_s >= 0, ">= 0"),
             ("storage.backoff_max_s", self.storage.backoff_max_s >= self.storage.backoff_s, ">= storage.backoff_s"),
             ("ray.num_cpus", self.ray.num_cpus >= 0, ">= 0"),
+            ("ray.stall_warn_s", self.ray.stall_warn_s > 0, "> 0"),
+            ("ray.stall_limit_s", self.ray.stall_limit_s >= 0, ">= 0 (0: wait forever)"),
             ("ray.docs_per_batch", self.ray.docs_per_batch >= 1, ">= 1"),
             ("ray.target_block_mb", self.ray.target_block_mb > 0, "> 0"),
         ]

@@ -34,7 +34,7 @@ from pipeline.mine import (
     check_model, embed_pool, merge_stats, model_id, new_run_id, write_json,
 )
 from pipeline.ray_adapter import (
-    Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote,
+    Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote, watched,
 )
 
 log = logging.getLogger("pairmine")
@@ -191,6 +191,7 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         pool_passages, pool_hashes,
         Stage("embed", partial(_make_pool_embed, cfg, threads, device), batch_size=batch, actors=actors,
               num_cpus=stage_plan.embed_cpus, num_gpus=gpu_embed),
+        cfg.ray.stall_warn_s, cfg.ray.stall_limit_s,
     )
     pool_size = len(pool_vectors)
     pool_ref = ray.put((pool_vectors, pool_hashes))
@@ -219,7 +220,8 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     for stage in stages:
         ds = apply_stage(ds, stage)
     summaries, progress = [], Progress(pairs_expected, unit="pairs", counted="kept")
-    for row in ds.iter_rows():
+    done = lambda: f"{progress.docs} / {progress.total} pairs"  # noqa: E731
+    for row in watched(ds.iter_rows(), stages, done, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s):
         summaries.append(json.loads(row["stats"]))
         progress.update(summaries[-1].get("pairs_in", 0), summaries[-1].get("pairs_kept", 0))
     progress.done()

@@ -36,7 +36,7 @@ from pipeline.inputs import (
     work_units,
 )
 from pipeline.ray_adapter import (
-    Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote,
+    Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote, watched,
 )
 
 log = logging.getLogger("pairmine")
@@ -172,8 +172,10 @@ def _scan(shard, cfg: MineConfig, cut: float, pool: PoolSpec | None):
                       cfg.storage_layer())
 
 
-def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage) -> tuple[np.ndarray, np.ndarray]:
-    """Embed the pool passages with the run's embed stage (same model, prefix, dtype) on Ray.
+def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage, stall_warn_s: float = 60.0,
+               stall_limit_s: float = 1800.0, hint: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """Embed the pool passages with the run's embed stage (same model, prefix, dtype) on Ray, watched for stalls
+    (:func:`pipeline.ray_adapter.watched`).
 
     Returns:
         (vectors (P, dim) float32, doc hashes (P,) int64), rows aligned (Ray may return blocks in any order, so the
@@ -190,7 +192,9 @@ def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage) 
         return np.zeros((0, 1), np.float32), np.zeros(0, np.int64)
     ds = apply_stage(ray.data.from_items(rows, override_num_blocks=len(rows)), embed_stage)
     mats, hashes = [], []
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+    done = lambda: f"{sum(len(m) for m in mats)} / {len(passages)} pool passages embedded"  # noqa: E731
+    for batch in watched(ds.iter_batches(batch_size=None, batch_format="pyarrow"), [embed_stage], done,
+                         stall_warn_s, stall_limit_s, hint):
         matrix, _ = vector_matrix(batch.column("vectors"))
         mats.append(matrix.copy())
         hashes.append(batch.column("hashes").combine_chunks().flatten().to_numpy(zero_copy_only=False))
@@ -550,6 +554,8 @@ def mine(cfg: MineConfig) -> MineResult:
     threshold = cfg.resolved_threshold()
     side_output = c.enabled and c.side_output
     pool_size = None
+    stall_hint = (f"the shards committed so far stay in {run_dir}: run the same command with --run-id {run_id} to "
+                  "resume once the cluster has room (or raise ray.stall_limit_s)")
     if todo:
         light, gpu_embed, gpu_filter = stage_plan.light_cpus, stage_plan.embed_gpus, stage_plan.filter_gpus
         embed_stage = Stage("embed", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
@@ -563,7 +569,8 @@ def mine(cfg: MineConfig) -> MineResult:
         ]
         if c.enabled:
             t_pool = time.time()
-            pool_vectors, pool_hashes = embed_pool(pool_passages, pool_hashes, embed_stage)
+            pool_vectors, pool_hashes = embed_pool(pool_passages, pool_hashes, embed_stage, cfg.ray.stall_warn_s,
+                                                   cfg.ray.stall_limit_s, stall_hint)
             pool_size = len(pool_vectors)
             pool_ref = ray.put((pool_vectors, pool_hashes))
             if pool_size == 0:
@@ -581,7 +588,7 @@ def mine(cfg: MineConfig) -> MineResult:
             len(todo), model_id(cfg), cfg.resolved_prefix(), threshold, actors, device, threads,
         )
         records.update(_stream_and_commit(stages, todo, todo_units, rows_per_shard, run_dir, side_output, pool_size,
-                                          storage))
+                                          storage, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, stall_hint))
 
     # ---- commit: stats, manifest, then the success marker, then the pointer to the newest run --------------------
     missing = [s.index for s in shards if s.index not in records]
@@ -658,7 +665,8 @@ def mine(cfg: MineConfig) -> MineResult:
 
 
 def _stream_and_commit(stages: list[Stage], todo: list, units: list[dict], rows_per_shard: dict[int, int],
-                       run_dir: str, side_output: bool, pool_size: int | None, storage) -> dict[int, dict]:
+                       run_dir: str, side_output: bool, pool_size: int | None, storage, stall_warn_s: float = 60.0,
+                       stall_limit_s: float = 1800.0, hint: str = "") -> dict[int, dict]:
     """Stream the work units of the shards in ``todo`` through ``stages``, and commit each shard (a Ray task running
     :func:`commit_shard`) as soon as all of its documents have been written.
 
@@ -667,6 +675,7 @@ def _stream_and_commit(stages: list[Stage], todo: list, units: list[dict], rows_
 
     Raises:
         RuntimeError: a shard received more documents than it has (a document written twice).
+        StallError: no batch completed for ``stall_limit_s`` seconds (see :func:`pipeline.ray_adapter.watched`).
     """
     import ray
 
@@ -699,7 +708,9 @@ def _stream_and_commit(stages: list[Stage], todo: list, units: list[dict], rows_
     for stage in stages:
         ds = apply_stage(ds, stage)
     progress = Progress(sum(rows_per_shard.get(s.index, 0) for s in todo))
-    for row in ds.iter_rows():  # one small row per (written batch, shard), streamed as batches finish
+    done = lambda: f"{progress.docs} / {progress.total} documents"  # noqa: E731
+    # one small row per (written batch, shard), streamed as batches finish
+    for row in watched(ds.iter_rows(), stages, done, stall_warn_s, stall_limit_s, hint):
         i = int(row["shard_index"])
         summary = json.loads(row["stats"])
         per_shard[i].append(summary)

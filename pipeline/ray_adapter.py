@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -220,6 +221,108 @@ def plan_stages(device_request: str, embed_actors: int = 0, filter_actors: int =
         threads = max(1, int(per_node) // embed_actors)
     return StagePlan(device, embed_actors, filter_actors, threads, round(embed_cpus, 4), round(light, 4), embed_gpus,
                      filter_gpus, cpus, gpus, scaled)
+
+
+class StallError(RuntimeError):
+    """A pipeline made no progress for longer than ``ray.stall_limit_s`` (the message names what Ray cannot place)."""
+
+
+def pending_demands() -> list[tuple[dict, int]]:
+    """Resource bundles Ray has been asked for but cannot place now, with their counts: ``[({'CPU': 1.0}, 1)]``.
+
+    From the GCS's cluster status (what ``ray status`` prints as "Pending Demands"); empty when it cannot be read.
+    """
+    import ray
+
+    try:
+        from ray.autoscaler.v2.sdk import get_cluster_status
+
+        status = get_cluster_status(ray.get_runtime_context().gcs_address)
+        return [(dict(b.bundle), int(b.count)) for d in status.resource_demands.ray_task_actor_demand
+                for b in d.bundles_by_count]
+    except Exception as e:  # noqa: BLE001 - a diagnostic only: never let it end the run
+        log.debug("cannot read Ray's pending demands: %s", e)
+        return []
+
+
+def stall_report(stages: list[Stage], idle_s: float, progress: str) -> str:
+    """One line on a pipeline that made no progress for ``idle_s`` seconds: what Ray cannot place (and which stages
+    ask for exactly that), the alive nodes and their free resources.
+
+    Args:
+        stages: the pipeline's stages (their per-task/actor resources name the waiting stage).
+        idle_s: seconds since the last completed batch.
+        progress: what was done so far, e.g. "120 / 827 documents".
+    """
+    import ray
+
+    def fmt(bundle: dict) -> str:
+        return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(bundle.items()) if v) + "}"
+
+    parts = []
+    for bundle, count in pending_demands():
+        asks = {k: v for k, v in bundle.items() if v}
+        names = [st.name for st in stages
+                 if {k: v for k, v in (("CPU", st.num_cpus), ("GPU", st.num_gpus)) if v} == asks]
+        parts.append(f"{fmt(bundle)} x {count}" + (f" (stage {', '.join(names)})" if names else ""))
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        free = fmt({k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")})
+    except Exception:  # noqa: BLE001
+        nodes, free = [], "?"
+    where = f"{len(nodes)} node(s) alive, free {free}"
+    if parts:
+        return (f"nothing completed for {idle_s:.0f} s ({progress}); Ray cannot place {'; '.join(parts)}; {where}")
+    busy = ", ".join(f"{st.name} ({st.actors} actor(s))" if st.actors else st.name for st in stages)
+    return (f"nothing completed for {idle_s:.0f} s ({progress}); no resource demand is pending, so a stage is running "
+            f"but not finishing (a frozen or very slow worker?); stages: {busy}; {where}")
+
+
+def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: float, limit_s: float, hint: str = ""):
+    """Yield from ``items`` (a Ray Data iterator), watching for a pipeline that stops making progress.
+
+    While nothing arrives for ``warn_s`` seconds, a warning (:func:`stall_report`) is logged every ``warn_s``
+    seconds; after ``limit_s`` seconds without progress (0: never) :class:`StallError` ends the wait. The iterator
+    is drained in a daemon thread, so the wait can end even while Ray blocks.
+
+    Raises:
+        StallError: no item for ``limit_s`` seconds; the message is the last report plus ``hint``.
+        Exception: whatever the iterator raised.
+    """
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=64)
+    end = object()
+
+    def drain() -> None:
+        try:
+            for item in items:
+                q.put(("item", item))
+            q.put(("end", end))
+        except BaseException as e:  # noqa: BLE001 - handed to the consuming thread
+            q.put(("error", e))
+
+    threading.Thread(target=drain, name="pairmine-stream", daemon=True).start()
+    last = warned = time.time()
+    while True:
+        try:
+            kind, value = q.get(timeout=min(5.0, max(warn_s, 0.5)))
+        except queue.Empty:
+            now = time.time()
+            idle = now - last
+            if limit_s and idle >= limit_s:
+                raise StallError(f"stalled: {stall_report(stages, idle, progress())}" + (f"; {hint}" if hint else ""))
+            if idle >= warn_s and now - warned >= warn_s:
+                warned = now
+                log.warning("%s", stall_report(stages, idle, progress()))
+            continue
+        if kind == "end":
+            return
+        if kind == "error":
+            raise value
+        last = warned = time.time()
+        yield value
 
 
 def configure_data(target_block_mb: float) -> None:

@@ -1,0 +1,115 @@
+"""No silent hangs (issue 10, items 2c-2d): a pipeline that stops making progress is reported while it waits (what
+Ray cannot place, or that a stage runs without finishing) and ended after ``ray.stall_limit_s`` with one error line;
+the same ``--run-id`` then resumes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.ray_adapter import Stage, StallError, stall_report, watched
+
+
+def test_report_names_the_stage_ray_cannot_place(ray_local):
+    import ray
+
+    @ray.remote(num_cpus=3)
+    def too_big():
+        return 1
+
+    ref = too_big.remote()  # the session's Ray has 2 CPUs
+    try:
+        stages = [Stage("read", dict, num_cpus=0.5), Stage("embed", dict, actors=1, num_cpus=3.0)]
+        deadline = time.time() + 60
+        while "CPU: 3" not in (line := stall_report(stages, 65, "10 / 20 documents")) and time.time() < deadline:
+            time.sleep(1)
+        assert line.startswith("nothing completed for 65 s (10 / 20 documents); Ray cannot place {CPU: 3} x 1 "
+                               "(stage embed); 1 node(s) alive, free {")
+    finally:
+        ray.cancel(ref, force=True)
+
+
+def test_a_stream_that_stops_is_reported_then_ended(caplog):
+    def stream():
+        yield 1
+        yield 2
+        time.sleep(3600)  # a pipeline that never delivers again
+
+    got = []
+    t0 = time.time()
+    with caplog.at_level(logging.WARNING), pytest.raises(StallError) as e:
+        for item in watched(stream(), [Stage("embed", dict, actors=1)], lambda: f"{len(got)} / 5 documents", 0.5, 3,
+                            "re-run with --run-id x"):
+            got.append(item)
+    assert got == [1, 2] and 3 <= time.time() - t0 < 15
+    assert str(e.value).startswith("stalled: nothing completed for 3 s (2 / 5 documents);")
+    assert str(e.value).endswith("; re-run with --run-id x")
+    assert any(r.message.startswith("nothing completed for") for r in caplog.records)  # warned before the end
+    # Errors of the stream reach the consumer as they are.
+    with pytest.raises(ZeroDivisionError):
+        list(watched((1 / 0 for _ in range(1)), [], lambda: "", 1, 5))
+
+
+def _embed_actors(root: int) -> list:
+    import psutil
+
+    try:
+        procs = psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for p in procs:
+        try:
+            if "Embed" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_frozen_embedder_ends_the_run_and_the_run_id_resumes(tiny_model_dir, sample_dir, tmp_path):
+    pq.write_table(pq.read_table(sample_dir / "000_00000.parquet").slice(0, 60), tmp_path / "docs.parquet")
+    cmd = [sys.executable, "-m", "pipeline.cli", "mine", "--input", str(tmp_path / "docs.parquet"), "--output",
+           str(tmp_path / "runs"), "--run-id", "frozen", "--set", f"embed.model={tiny_model_dir}",
+           "--set", "ray.num_cpus=2"]
+    watch = ["--set", "ray.stall_warn_s=3", "--set", "ray.stall_limit_s=20"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(cmd + watch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    stopped: dict[int, object] = {}
+    try:
+        deadline = time.time() + 300
+        while proc.poll() is None and time.time() < deadline:  # freeze every embed actor that appears (SIGSTOP)
+            for p in _embed_actors(proc.pid):
+                if p.pid not in stopped:
+                    p.send_signal(signal.SIGSTOP)
+                    stopped[p.pid] = p
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in stopped.values():  # our own frozen workers: never leave them behind
+            try:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+    assert stopped, "no embed actor was seen"
+    assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert "nothing completed for" in err  # the warning while it waited
+    error = [line for line in err.splitlines() if line.startswith("pairmine: error:")]
+    assert len(error) == 1 and error[0].startswith("pairmine: error: stalled: nothing completed for 2")
+    assert "a stage is running but not finishing" in error[0] and "--run-id frozen" in error[0]
+    # The same command (default stall limits), nothing frozen now: the run completes from its run folder.
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = json.loads((tmp_path / "runs" / "frozen" / "stats.json").read_text())
+    assert stats["docs_in"] == 60 and stats["reconciled"]
