@@ -65,13 +65,18 @@ def cluster(tmp_path_factory):
         head.stop()
 
 
-def run_job(client, args: list[str], timeout: float = 600) -> tuple[str, str]:
-    """Submit ``pairmine <args>`` as a Ray job; wait for it; (status, logs)."""
+def submit(client, args: list[str]) -> str:
+    """Submit ``pairmine <args>`` as a Ray job; its id."""
+    entrypoint = " ".join([sys.executable, "-m", "pipeline.cli", *args])
+    return client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": {
+        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}})
+
+
+def run_job(client, args: list[str], timeout: float = 600, job: str | None = None) -> tuple[str, str]:
+    """Submit ``pairmine <args>`` as a Ray job (or follow ``job``); wait for it; (status, logs)."""
     from ray.job_submission import JobStatus
 
-    entrypoint = " ".join([sys.executable, "-m", "pipeline.cli", *args])
-    job = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": {
-        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}})
+    job = job or submit(client, args)
     terminal = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
     status = wait_for(lambda: (s := client.get_job_status(job)) in terminal and s, timeout, f"job {job} did not end")
     return str(status), client.get_job_logs(job)
@@ -105,3 +110,51 @@ def test_submitted_job_mines_what_a_local_run_mines(cluster, ray_local, tiny_mod
         assert np.allclose(pc.list_flatten(job.column(col)).to_numpy(), pc.list_flatten(local.column(col)).to_numpy(),
                            atol=1e-4)
     assert json.loads((tmp_path / "cluster" / "job" / "stats.json").read_text())["groups"] == local.num_rows
+
+
+def test_a_lost_worker_node_ends_with_an_error_and_the_run_id_resumes(cluster, ray_local, tiny_model_dir, sample_dir,
+                                                                      tmp_path):
+    """The worker node's raylet is SIGKILLed in the main pass. The stage plan asked for both nodes' CPUs, so the
+    remaining node cannot place the work: the job reports what Ray cannot place and ends after ray.stall_limit_s
+    with one error line. The same command with the same --run-id, on the one node left, completes with exactly the
+    groups of an uninterrupted run."""
+    import os
+    import signal
+
+    import psutil
+
+    from pipeline.config import load_config
+    from pipeline.mine import mine
+
+    head, worker, client = cluster
+    settings = [f"embed.model={tiny_model_dir}", "embed.dtype=float32", "anchors.threshold=0.99"]
+    shards = [str(sample_dir / "000_00000.parquet"), str(sample_dir / "001_00000.parquet")]
+    args = ["mine", "--input", f"'{sample_dir}/00[01]_*.parquet'", "--output", str(tmp_path / "cluster"),
+            "--run-id", "lost", *[a for s in settings for a in ("--set", s)]]
+    job = submit(client, [*args, "--set", "ray.stall_warn_s=5", "--set", "ray.stall_limit_s=60"])
+    wait_for(lambda: "mining 2 shard(s)" in client.get_job_logs(job), 300, "the main pass did not start")
+    raylets = [p for p in map(psutil.Process, worker.pids()) if p.name() == "raylet"]
+    assert len(raylets) == 1
+    os.kill(raylets[0].pid, signal.SIGKILL)
+    t_kill = time.time()
+    status, logs = run_job(client, [], job=job)
+    print(f"\nworker raylet killed; the job ended {time.time() - t_kill:.0f} s later with {status}")
+    assert status == "FAILED", logs[-3000:]
+    error = [line for line in logs.splitlines() if line.startswith("pairmine: error:")]
+    assert len(error) == 1 and error[0].startswith("pairmine: error: stalled: nothing completed for"), logs[-3000:]
+    assert "--run-id lost" in error[0]
+    print(error[0])
+
+    t0 = time.time()
+    status, logs = run_job(client, args)  # the same command, the same run id, one node left
+    assert status == "SUCCEEDED", logs[-4000:]
+    print(f"resumed on one node in {time.time() - t0:.1f} s")
+    manifest = json.loads((tmp_path / "cluster" / "lost" / "manifest.json").read_text())
+    assert manifest["resolved"]["ray"].endswith("(1 node(s), 1 CPUs, 0 GPUs)")
+    assert manifest["resolved"]["stage_plan"].endswith("(CPU shares scaled down to fit)")
+    mine(load_config(overrides=[f"input.path={sample_dir}/00[01]_*.parquet", f"output.path={tmp_path / 'local'}",
+                                "output.run_id=local", *settings]))
+    lost = pq.read_table(tmp_path / "cluster" / "lost" / "groups").drop_columns(["run_id"])
+    local = pq.read_table(tmp_path / "local" / "local" / "groups").drop_columns(["run_id"])
+    assert lost.num_rows > 0 and lost.equals(local)  # none lost, none duplicated, the same scores
+    assert len(shards) == 2
