@@ -2,18 +2,71 @@
 
 Sentences come from blingfire (a maintained, offline sentence splitter that also returns character offsets;
 ~0.05 s/MB of web text on our machines). Consecutive whole sentences are packed into passages of at most
-``max_words`` words; a sentence longer than ``max_words`` is split at word boundaries. Passages shorter than
-``min_words`` are dropped and counted; a document is capped at ``max_passages`` and the rest counted as truncated.
+``max_words`` words; a sentence longer than ``max_words`` is cut at word boundaries. Passages shorter than
+``min_words`` are dropped and counted; passages equal to an earlier passage of the same document after whitespace and
+case normalisation are dropped and counted (a page's repeated paragraph must not become its anchor's own positive,
+issue 14 item 5); a document is capped at ``max_passages`` and the rest counted as truncated.
+
+Scripts written without spaces between words (issue 14 item 3). A "word" is a whitespace-separated token, which
+makes a Chinese, Japanese or Thai page one enormous word. In such scripts every *character* counts as a fraction of
+a word, chosen so that a passage is about as long in model tokens as a 120-word English passage:
+
+=====================================  ============  ==============================  ===========================
+script (Unicode blocks)                words / char  measured tokens per character   source
+=====================================  ============  ==============================  ===========================
+Han, Hiragana, Katakana (CJK)          0.8           1.080 zh, 1.025 ja (MiniLM)     default tokenizer
+Hangul                                 1.4           1.814 (MiniLM: NFD -> jamo)      default tokenizer
+Thai, Lao, Khmer, Myanmar              0.15          0.212 Thai (XLM-R)              multilingual tokenizer
+=====================================  ============  ==============================  ===========================
+
+Measured with the default tokenizer (all-MiniLM-L6-v2, ``operators.embed.default_model_path()``): English 1.298
+tokens per word on the 82 pure-ASCII documents of the sample's first shard (18,240 words), Chinese 1.080 tokens per
+Han character on ``../shared/cases/cjk-no-spaces.parquet`` (23,995 characters; punctuation included in the tokens),
+Japanese 1.025 per Han/kana character and Korean 1.814 per Hangul syllable on a few hand-written paragraphs. The
+factor is tokens-per-character / tokens-per-word: 0.79-0.83 for CJK (0.8: a passage holds <= 150 characters, ~160
+tokens, against ~156 for 120 English words) and 1.40 for Hangul (<= 85 syllables). MiniLM turns a whole space-free
+Thai run into one [UNK], so it cannot measure Thai; with XLM-R's tokenizer (blingfire's ``xlm_roberta_base``, the
+tokenizer of multilingual E5) Thai has 0.212 tokens per character (combining marks included) against 1.423 per
+English word: 0.15 (a passage holds <= 800 Thai characters). Lao, Khmer and Myanmar are unmeasured and take Thai's
+factor (abugidas written the same way). With XLM-R, CJK would be 0.44 and Hangul 0.48 words per character: the
+factors follow the default model; a multilingual model sees shorter CJK/Hangul passages than 120 English words.
+Lengths are integers in 1/20 of a word (factors 16/20, 28/20, 3/20), so packing is exact; a Latin word, a number or
+a code token inside a CJK run counts 1, punctuation attached to a CJK character counts 0, and a whitespace token
+with no such character counts 1 exactly as before (English chunking is unchanged).
+
+blingfire splits after 。！？ but not after the full-width full stop ．(U+FF0E) or the half-width ｡, and it starts
+the next sentence with a closing quote (「你好。」 -> 「你好。 | 」): both are repaired, only next to these scripts. Thai
+(and Lao, Khmer, Myanmar) mark a phrase or sentence end with a space, not a full stop: a space between two such
+characters ends a sentence, and ។ (Khmer) and ။ (Myanmar) end one too. A run with no terminator is cut at the limit
+like any long sentence, at a character boundary (combining marks stay with their base).
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
 _WORD = re.compile(r"\S+")
+
+# Lengths are integers in 1/UNIT of a word.
+UNIT = 20
+_CJK = "\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\U00020000-\U0002fa1f"
+_HANGUL = "\u1100-\u11ff\u3130-\u318f\ua960-\ua97f\uac00-\ud7af\ud7b0-\ud7ff"
+_SEA = "\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u19e0-\u19ff"  # Thai, Lao, Myanmar, Khmer (+ Khmer symbols)
+# (character class, units per character): see the module docstring for the measurement.
+SPACELESS_SCRIPTS = ((_CJK, 16), (_HANGUL, 28), (_SEA, 3))
+_SPACELESS = _CJK + _HANGUL + _SEA
+_HAS_SPACELESS = re.compile(f"[{_SPACELESS}]")
+_PIECE = re.compile(f"[{_SPACELESS}]|[^{_SPACELESS}]+")
+_UNITS = [(re.compile(f"[{cls}]"), u) for cls, u in SPACELESS_SCRIPTS]
+# Sentence repair next to these scripts (blingfire's misses).
+_CLOSERS = "」』）】〕〉》〗〙〛｣”’\"')"
+_CJK_END = re.compile(f"[。．｡！？]+[{_CLOSERS}]*|(?<=[{_SPACELESS}])[!?]+[{_CLOSERS}]*|[។៕။]+")
+_SEA_SPACE = re.compile(f"(?<=[{_SEA}])\\s+(?=[{_SEA}])")
+_LEADING_CLOSERS = re.compile(f"\\s*[{_CLOSERS}]+")
 
 # Columns this stage adds to the document row.
 PASSAGE_FIELDS = ("passages", "passage_start", "passage_end", "passage_words")
@@ -26,8 +79,11 @@ class Chunked:
     Attributes:
         passages: passage texts, in document order (text[start:end] of the document).
         starts / ends: character offsets into the document text (Python str indices), end exclusive.
-        words: whitespace-separated word count of each passage.
+        words: length of each passage in words: whitespace-separated words, where a character of a script written
+            without spaces counts as a fraction of a word (module docstring), rounded to the nearest integer.
         n_short: passages dropped because they had fewer than ``min_words`` words.
+        n_duplicate: passages dropped because an earlier passage of the document has the same text after whitespace
+            and case normalisation (:func:`normalise_passage`).
         n_truncated: passages past ``max_passages`` that were not kept.
     """
 
@@ -36,39 +92,135 @@ class Chunked:
     ends: list[int] = field(default_factory=list)
     words: list[int] = field(default_factory=list)
     n_short: int = 0
+    n_duplicate: int = 0
     n_truncated: int = 0
+
+
+def normalise_passage(text: str) -> str:
+    """The form two passages of one document are compared in: whitespace runs -> one space, casefolded.
+
+    Example: ``normalise_passage("The  Cat\\n sat.") == normalise_passage("the cat sat.") == "the cat sat."``.
+    """
+    return " ".join(text.split()).casefold()
 
 
 def split_sentences(text: str) -> list[tuple[int, int]]:
     """Sentence spans of ``text`` as (start, end) character offsets, end exclusive, in order.
 
     Uses blingfire's ``text_to_sentences_and_offsets``, whose offsets are Python string (code point) offsets, so
-    ``text[start:end]`` is the sentence.
+    ``text[start:end]`` is the sentence. In text holding a script written without spaces, blingfire's misses are
+    repaired (module docstring): a sentence also ends after ．｡ (and after !? that follow such a character), a
+    closing quote or bracket after the terminator stays with its sentence, and a space between two Thai, Lao, Khmer
+    or Myanmar characters ends a sentence. Text without such characters gets blingfire's spans unchanged.
     """
     import blingfire
 
     if not text or text.isspace():
         return []
     _, spans = blingfire.text_to_sentences_and_offsets(text)
-    return [(int(s), int(e)) for s, e in spans]
+    spans = [(int(s), int(e)) for s, e in spans]
+    if not _HAS_SPACELESS.search(text):
+        return spans
+    return _repair_sentences(text, spans)
 
 
-def _word_spans(text: str, start: int, end: int) -> list[tuple[int, int]]:
-    return [(m.start(), m.end()) for m in _WORD.finditer(text, start, end)]  # offsets into the whole text
+def _ends_with_terminator(text: str, start: int, end: int) -> bool:
+    last = text[end - 1]
+    return last in "。．｡！？។៕။" or (last in "!?" and end - start > 1 and bool(_HAS_SPACELESS.match(text, end - 2)))
+
+
+def _repair_sentences(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for s, e in spans:  # a closing quote that blingfire put at the start of the next sentence goes back
+        if merged and _ends_with_terminator(text, *merged[-1]):
+            m = _LEADING_CLOSERS.match(text, s, e)
+            if m:
+                merged[-1] = (merged[-1][0], m.end())
+                s = m.end()
+                while s < e and text[s].isspace():
+                    s += 1
+                if s >= e:
+                    continue
+        merged.append((s, e))
+    out: list[tuple[int, int]] = []
+    for s, e in merged:  # cut after the terminators blingfire missed, and at spaces inside Thai-family text
+        cuts = sorted([(m.end(), m.end()) for m in _CJK_END.finditer(text, s, e)]
+                      + [(m.start(), m.end()) for m in _SEA_SPACE.finditer(text, s, e)])
+        pos = s
+        for cut_end, next_start in cuts:
+            if cut_end > pos:
+                out.append((pos, cut_end))
+            pos = max(pos, next_start)
+        if pos < e:
+            out.append((pos, e))
+    # Whitespace at either end of a piece is not part of the sentence.
+    spans_out = []
+    for s, e in out:
+        while s < e and text[s].isspace():
+            s += 1
+        while e > s and text[e - 1].isspace():
+            e -= 1
+        if s < e:
+            spans_out.append((s, e))
+    return spans_out
+
+
+def _char_units(ch: str) -> int:
+    for pattern, units in _UNITS:
+        if pattern.match(ch):
+            return units
+    return UNIT
+
+
+def _atoms(text: str, start: int, end: int) -> list[tuple[int, int, int]]:
+    """(start, end, units) of the smallest pieces a passage may be cut between, offsets into the whole text.
+
+    A whitespace-separated word with no character of a spaceless script is one atom of one word (UNIT units). In a
+    word that has such characters, each character is an atom (its script's units; a combining mark joins its base),
+    each run of other letters or digits is an atom of one word, and punctuation joins the atom before it (or after
+    it, at the start of the word) and counts nothing.
+    """
+    out: list[tuple[int, int, int]] = []
+    for m in _WORD.finditer(text, start, end):
+        if not _HAS_SPACELESS.search(m.group()):
+            out.append((m.start(), m.end(), UNIT))
+            continue
+        first, lead = len(out), None
+        for p in _PIECE.finditer(text, m.start(), m.end()):
+            g = p.group()
+            spaceless = len(g) == 1 and _HAS_SPACELESS.match(g) is not None
+            if spaceless and unicodedata.category(g)[0] == "M" and len(out) > first:
+                a = out[-1]
+                out[-1] = (a[0], p.end(), a[2] + _char_units(g))
+            elif spaceless or any(ch.isalnum() for ch in g):
+                out.append((p.start() if lead is None else lead, p.end(), _char_units(g) if spaceless else UNIT))
+                lead = None
+            elif len(out) > first:  # punctuation after an atom
+                out[-1] = (out[-1][0], p.end(), out[-1][2])
+            else:  # punctuation at the start of the word: joins the next atom
+                lead = p.start()
+    return out
 
 
 def chunk_text(text: str, max_words: int = 120, min_words: int = 5, max_passages: int = 256) -> Chunked:
     """Pack the sentences of ``text`` into passages (SPEC "Chunk"; max_words 120 is Revela's setting, seed 001).
 
+    Every stage that needs a document's passages (mining, the consistency pool, the TF-IDF sample, calibrate, the
+    report, random positives) calls this function, so they all see the same passages.
+
     Args:
         text: the document text.
-        max_words: a passage holds at most this many words (whitespace-separated tokens).
+        max_words: a passage holds at most this many words (whitespace-separated words; a character of a script
+            written without spaces counts 0.8 (CJK), 1.4 (Hangul) or 0.15 (Thai, Lao, Khmer, Myanmar) of a word,
+            module docstring).
         min_words: passages with fewer words are dropped and counted in ``n_short``.
-        max_passages: passages kept per document; the rest are counted in ``n_truncated``.
+        max_passages: passages kept per document (after dropping short and duplicate passages); the rest are counted
+            in ``n_truncated``.
 
     Returns:
         A :class:`Chunked` whose passages are exact slices of ``text`` (from the first word of the first sentence
-        to the last word of the last sentence), so offsets can be used to find them in the document.
+        to the last word of the last sentence), so offsets can be used to find them in the document. No two kept
+        passages are equal after :func:`normalise_passage` (later copies are counted in ``n_duplicate``).
 
     Raises:
         ValueError: when max_words < 1, min_words < 1 or max_passages < 1.
@@ -76,35 +228,49 @@ def chunk_text(text: str, max_words: int = 120, min_words: int = 5, max_passages
     if max_words < 1 or min_words < 1 or max_passages < 1:
         raise ValueError(f"max_words, min_words and max_passages must be >= 1, got {max_words}, {min_words}, {max_passages}")
     out = Chunked()
-    # Word spans grouped by sentence; a sentence longer than max_words becomes several pieces.
-    pieces: list[list[tuple[int, int]]] = []
+    limit, least = max_words * UNIT, min_words * UNIT
+    # Atoms grouped by sentence; a sentence longer than max_words becomes several pieces.
+    pieces: list[tuple[list[tuple[int, int, int]], int]] = []
     for s_start, s_end in split_sentences(text):
-        words = _word_spans(text, s_start, s_end)
-        for i in range(0, len(words), max_words):
-            if words[i : i + max_words]:
-                pieces.append(words[i : i + max_words])
+        cur: list[tuple[int, int, int]] = []
+        units = 0
+        for atom in _atoms(text, s_start, s_end):
+            if cur and units + atom[2] > limit:
+                pieces.append((cur, units))
+                cur, units = [], 0
+            cur.append(atom)
+            units += atom[2]
+        if cur:
+            pieces.append((cur, units))
 
-    current: list[tuple[int, int]] = []
+    seen: set[str] = set()
+    current: list[tuple[int, int, int]] = []
+    current_units = 0
 
     def flush() -> None:
         if not current:
             return
-        if len(current) < min_words:
+        start, end = current[0][0], current[-1][1]
+        key = normalise_passage(text[start:end])
+        if current_units < least:
             out.n_short += 1
+        elif key in seen:
+            out.n_duplicate += 1
         elif len(out.passages) >= max_passages:
             out.n_truncated += 1
         else:
-            start, end = current[0][0], current[-1][1]
+            seen.add(key)
             out.passages.append(text[start:end])
             out.starts.append(start)
             out.ends.append(end)
-            out.words.append(len(current))
+            out.words.append((current_units + UNIT // 2) // UNIT)
 
-    for piece in pieces:
-        if current and len(current) + len(piece) > max_words:
+    for piece, units in pieces:
+        if current and current_units + units > limit:
             flush()
-            current = []
+            current, current_units = [], 0
         current = current + piece
+        current_units += units
     flush()
     return out
 
@@ -114,8 +280,11 @@ class Chunker:
 
     Input columns: ``text`` and ``skip_reason`` (rows with a skip reason pass through with empty passage lists).
     Output: the input without ``text``, plus list columns ``passages`` (string), ``passage_start``,
-    ``passage_end``, ``passage_words`` (int32) and int32 counters ``n_short_passages``, ``n_truncated_passages``.
+    ``passage_end``, ``passage_words`` (int32) and int32 counters ``n_short_passages``, ``n_duplicate_passages``,
+    ``n_truncated_passages``.
     """
+
+    COUNTERS = ("n_short_passages", "n_duplicate_passages", "n_truncated_passages")
 
     def __init__(self, max_words: int = 120, min_words: int = 5, max_passages: int = 256):
         self.max_words, self.min_words, self.max_passages = max_words, min_words, max_passages
@@ -123,7 +292,7 @@ class Chunker:
     def __call__(self, batch: pa.Table) -> pa.Table:
         texts = batch.column("text").to_pylist()
         skips = batch.column("skip_reason").to_pylist()
-        cols: dict[str, list] = {k: [] for k in (*PASSAGE_FIELDS, "n_short_passages", "n_truncated_passages")}
+        cols: dict[str, list] = {k: [] for k in (*PASSAGE_FIELDS, *self.COUNTERS)}
         for text, skip in zip(texts, skips):
             c = Chunked() if skip is not None else chunk_text(text, self.max_words, self.min_words, self.max_passages)
             cols["passages"].append(c.passages)
@@ -131,11 +300,12 @@ class Chunker:
             cols["passage_end"].append(c.ends)
             cols["passage_words"].append(c.words)
             cols["n_short_passages"].append(c.n_short)
+            cols["n_duplicate_passages"].append(c.n_duplicate)
             cols["n_truncated_passages"].append(c.n_truncated)
         out = batch.drop_columns(["text"])
         out = out.append_column("passages", pa.array(cols["passages"], pa.list_(pa.string())))
         for name in ("passage_start", "passage_end", "passage_words"):
             out = out.append_column(name, pa.array(cols[name], pa.list_(pa.int32())))
-        for name in ("n_short_passages", "n_truncated_passages"):
+        for name in self.COUNTERS:
             out = out.append_column(name, pa.array(cols[name], pa.int32()))
         return out

@@ -114,7 +114,7 @@ class GroupWriter:
         out = {"groups": _GroupRows(), "dropped": _GroupRows()}
         docs = batch.select(
             ["shard_index", "row_index", "id", "url", "skip_reason", "text_repaired", "passages", "centrality", "groups",
-             "no_group_reason", "n_short_passages", "n_truncated_passages"]
+             "no_group_reason", "n_short_passages", "n_duplicate_passages", "n_truncated_passages"]
             + (["n_token_truncated"] if "n_token_truncated" in batch.column_names else [])
         ).to_pylist()
         for d in docs:
@@ -128,6 +128,7 @@ class GroupWriter:
             passages, cent, groups = d["passages"], d["centrality"], d["groups"]
             stats["passages"] += len(passages)
             stats["passages_short_dropped"] += d["n_short_passages"]
+            stats["passages_duplicate_dropped"] += d["n_duplicate_passages"]  # repeats inside the document
             stats["passages_truncated"] += d["n_truncated_passages"]
             stats["docs_truncated"] += d["n_truncated_passages"] > 0
             stats["passages_token_truncated"] += d.get("n_token_truncated") or 0

@@ -54,7 +54,7 @@ class OutputConfig:
 
 @dataclass
 class ChunkConfig:
-    max_words: int = _f(120, "most words (whitespace tokens) per passage; whole sentences are packed (Revela's 120, seed 001)")
+    max_words: int = _f(120, "most words per passage (whitespace-separated; a CJK character counts 0.8, Hangul 1.4, Thai/Lao/Khmer/Myanmar 0.15: operators/chunk.py); whole sentences are packed (Revela's 120, seed 001)")
     min_words: int = _f(5, "passages with fewer words are dropped and counted")
     max_passages: int = _f(256, "passages kept per document; the rest are counted as truncated")
 

@@ -371,6 +371,7 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
         "passages": passages,
         "passages_in_groups": int(total["passages_in_groups"]),
         "passages_short_dropped": int(total["passages_short_dropped"]),
+        "passages_duplicate_dropped": int(total["passages_duplicate_dropped"]),
         "passages_truncated": int(total["passages_truncated"]),
         "passages_token_truncated": int(total["passages_token_truncated"]),
         "anchors": int(total["anchors"]),

@@ -1,10 +1,12 @@
 """Chunking limits on real sentences (SPEC "Chunk")."""
 
+import unicodedata
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from operators.chunk import Chunker, chunk_text, split_sentences
+from operators.chunk import Chunker, chunk_text, normalise_passage, split_sentences
 
 S1 = "The perfect game is a rare feat in baseball."  # 9 words
 S2 = "No opposing player reaches first base during the whole game."  # 10 words
@@ -69,11 +71,14 @@ def test_real_document_from_the_sample(sample_dir):
 
 
 def test_one_megabyte_single_line_document_is_capped():
-    text = "lorem ipsum dolor sit amet " * 40000  # ~1 MB, no sentence end, one line
+    text = "".join(f"lorem ipsum dolor sit {i} " for i in range(40000))  # ~1 MB, no sentence end, one line
     c = chunk_text(text)
     assert len(text) > 1_000_000
     assert len(c.passages) == 256 and all(w == 120 for w in c.words)
-    assert c.n_truncated == 200000 // 120 + 1 - 256  # 1667 pieces of <= 120 words, 256 kept
+    assert c.n_truncated == 200000 // 120 + 1 - 256 and c.n_duplicate == 0  # 1667 pieces of <= 120 words, 256 kept
+    # The same page with one phrase repeated: every 120-word piece is the same text, kept once (not capped).
+    c = chunk_text("lorem ipsum dolor sit amet " * 40000)
+    assert c.words == [120, 80] and c.n_duplicate == 1667 - 2 and c.n_truncated == 0
 
 
 def test_control_characters_and_mixed_scripts():
@@ -81,7 +86,7 @@ def test_control_characters_and_mixed_scripts():
             "Русский текст здесь тоже есть и он длинный. هذا نص عربي قصير للاختبار هنا. Ünïcödé ends the text here.")
     c = chunk_text(text, max_words=12, min_words=1)
     check_offsets(text, c, words=False)
-    assert c.words == [12, 11, 11]
+    assert c.words == [12, 7, 8, 8, 11]  # 'it.' + 7 CJK characters = 1 + 5.6; 10 CJK characters = 8
     assert "".join("".join(p.split()) for p in c.passages) == "".join(text.split())  # nothing lost
 
 
@@ -95,8 +100,88 @@ def test_chunker_operator_passes_skipped_rows_through():
     assert "text" not in out.column_names
     assert out.column("passages").to_pylist() == [[f"{S1} {S2}", S3, S4], []]
     assert out.column("passage_words").to_pylist() == [[19, 11, 10], []]
+    assert out.column("n_duplicate_passages").to_pylist() == [0, 0]
 
 
 def test_invalid_limits_raise():
     with pytest.raises(ValueError, match="max_words"):
         chunk_text(TEXT, max_words=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scripts without spaces (issue 14 item 3): a CJK character counts 0.8 of a word, Hangul 1.4, Thai 0.15.
+
+SUBJECTS = ["我们", "农民", "老师", "学生", "朋友", "邻居"]
+PLACES = ["今天", "昨天", "周末", "早上", "晚上"]
+# 2 + 2 + 6 = 10 Han characters (8 words) and a full stop per sentence; 30 different sentences.
+ZH = [f"{a}{b}在公园里散步。" for a in SUBJECTS for b in PLACES]
+
+
+def test_cjk_sentence_ends_that_blingfire_misses_are_repaired():
+    text = "第一句。第二句！第三句？第四句．第五句。他说：「你好。」然后走了。她问：“真的吗？”是的"
+    assert [text[s:e] for s, e in split_sentences(text)] == [
+        "第一句。", "第二句！", "第三句？", "第四句．", "第五句。", "他说：「你好。」", "然后走了。", "她问：“真的吗？”", "是的"]
+    ja = "東京は日本の首都です．毎日たくさんの人が電車で通勤しています｡春には桜が咲きます!"
+    assert [ja[s:e] for s, e in split_sentences(ja)] == ["東京は日本の首都です．", "毎日たくさんの人が電車で通勤しています｡",
+                                                         "春には桜が咲きます!"]
+    th = "สวัสดีครับ วันนี้อากาศดีมาก  ผมไปตลาด"  # Thai: a space ends a phrase or sentence
+    assert [th[s:e] for s, e in split_sentences(th)] == ["สวัสดีครับ", "วันนี้อากาศดีมาก", "ผมไปตลาด"]
+    assert split_sentences(TEXT) == [(0, 44), (45, 105), (106, 178), (179, 229)]  # English: blingfire unchanged
+
+
+def test_chinese_is_packed_by_characters():
+    text = "".join(ZH)  # 330 characters, no space
+    c = chunk_text(text)
+    # 15 sentences of 8 words = 120 words = 150 Han characters (+15 full stops) per passage.
+    assert c.passages == ["".join(ZH[:15]), "".join(ZH[15:])] and c.words == [120, 120]
+    assert [len(p) for p in c.passages] == [165, 165]
+    check_offsets(text, c, words=False)
+    c = chunk_text(text, max_words=20)  # 2 sentences (16 words) per passage
+    assert c.passages == ["".join(ZH[i:i + 2]) for i in range(0, 30, 2)] and set(c.words) == {16}
+
+
+def test_japanese_run_without_a_terminator_is_cut_at_the_limit():
+    text = "あいうえおかき" * 58  # 406 kana, one run: cut every 150 characters (150 x 0.8 = 120 words)
+    c = chunk_text(text)
+    assert [len(p) for p in c.passages] == [150, 150, 106] and c.words == [120, 120, 85]  # 106 x 0.8 = 84.8
+    assert "".join(c.passages) == text and c.n_duplicate == 0
+    mixed = "「東京」は2024年にGPUを使った。"  # 9 kana/Han (7.2 words) + "2024" + "GPU" (1 word each)
+    assert chunk_text(mixed, min_words=1).words == [9]
+
+
+def test_thai_and_korean_are_counted_by_characters():
+    text = "กขคงจฉช" * 286  # 2002 Thai characters with no space: 800 characters = 800 x 0.15 = 120 words
+    c = chunk_text(text)
+    assert [len(p) for p in c.passages] == [800, 800, 402] and c.words == [120, 120, 60]
+    # Combining marks stay with their base when a run is cut.
+    c = chunk_text("กัขิคี" * 167, max_words=30)  # base + mark pairs: 200 characters (100 pairs) per passage
+    assert c.words == [30, 30, 30] and [len(p) for p in c.passages] == [200, 200, 200]  # 1002 characters,
+    assert c.n_duplicate == 2  # the passages at 600 and 800 repeat those at 0 and 200 (period 6), last is 2 chars
+    assert all(unicodedata.category(p[0]) == "Lo" and unicodedata.category(p[-1]) == "Mn" for p in c.passages)
+    ko = "서울은 한국의 수도입니다."  # 11 Hangul syllables x 1.4 = 15.4 words
+    assert chunk_text(ko).words == [15]
+
+
+def test_cjk_case_documents_become_several_passages():
+    """../shared/cases/cjk-no-spaces.parquet: 20 Chinese documents of 833-1,631 characters were one passage each."""
+    from pathlib import Path
+
+    case = Path(__file__).resolve().parents[2] / "shared" / "cases" / "cjk-no-spaces.parquet"
+    if not case.exists():
+        pytest.skip("needs ../shared/cases")
+    texts = pq.read_table(case, columns=["text"]).column("text").to_pylist()
+    counts = [len(chunk_text(t).passages) for t in texts]
+    assert min(counts) >= 5 and sum(counts) == 184  # every document has enough passages for a group (1 + 4)
+    assert all(len(p) <= 170 for t in texts for p in chunk_text(t).passages)  # <= 150 Han + punctuation
+
+
+# Within one document, passages equal after whitespace/case normalisation are kept once (issue 14 item 5).
+
+def test_repeated_paragraph_is_kept_once():
+    text = f"{S1} {S2}\n\n{S3}\n\n{S1.upper()}   \n {S2.lower()}"
+    c = chunk_text(text, max_words=19, min_words=1)
+    assert c.passages == [f"{S1} {S2}", S3] and c.n_duplicate == 1
+    assert normalise_passage(f"{S1.upper()}   \n {S2.lower()}") == normalise_passage(f"{S1} {S2}")
+    zh = "".join(ZH[:15])
+    c = chunk_text(f"{zh}\n{''.join(ZH[15:])}\n{zh}")
+    assert len(c.passages) == 2 and c.n_duplicate == 1
