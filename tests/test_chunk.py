@@ -163,12 +163,10 @@ def test_thai_and_korean_are_counted_by_characters():
 
 
 def test_cjk_case_documents_become_several_passages():
-    """../shared/cases/cjk-no-spaces.parquet: 20 Chinese documents of 833-1,631 characters were one passage each."""
+    """tests/data/cases/cjk-no-spaces.parquet (a copy of shared/cases): 20 Chinese documents of 833-1,631 characters were one passage each."""
     from pathlib import Path
 
-    case = Path(__file__).resolve().parents[2] / "shared" / "cases" / "cjk-no-spaces.parquet"
-    if not case.exists():
-        pytest.skip("needs ../shared/cases")
+    case = Path(__file__).resolve().parent / "data" / "cases" / "cjk-no-spaces.parquet"
     texts = pq.read_table(case, columns=["text"]).column("text").to_pylist()
     counts = [len(chunk_text(t).passages) for t in texts]
     assert min(counts) >= 5 and sum(counts) == 184  # every document has enough passages for a group (1 + 4)
