@@ -1,7 +1,8 @@
 """Real Ray nodes for the tests, started with ``ray start --block`` on 127.0.0.1 and stopped by PID.
 
-Never ``ray stop``: it stops every Ray process on the machine, other people's included. Each node runs in its own
-session (process group); :meth:`RayNode.stop` signals exactly the processes that node started.
+Only what a node started is stopped, by PID (Ray's own stop command would end every Ray process on the machine,
+other people's included): each node runs in its own session (process group), and :meth:`RayNode.stop` signals
+exactly the processes that node started.
 """
 
 from __future__ import annotations

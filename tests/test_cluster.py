@@ -1,6 +1,6 @@
 """pairmine on a real two-node Ray cluster started by the test on 127.0.0.1 (issue 10, item 2a): a mining run
 submitted through Ray's job-submission API (what ``deploy/submit.sh`` and KubeRay's RayJob use) writes the same
-groups as the same command run locally. The nodes are stopped by PID, never with ``ray stop``."""
+groups as the same command run locally. The nodes are stopped by PID (only the processes they started)."""
 
 from __future__ import annotations
 
@@ -128,7 +128,6 @@ def test_a_lost_worker_node_ends_with_an_error_and_the_run_id_resumes(cluster, r
 
     head, worker, client = cluster
     settings = [f"embed.model={tiny_model_dir}", "embed.dtype=float32", "anchors.threshold=0.99"]
-    shards = [str(sample_dir / "000_00000.parquet"), str(sample_dir / "001_00000.parquet")]
     args = ["mine", "--input", f"'{sample_dir}/00[01]_*.parquet'", "--output", str(tmp_path / "cluster"),
             "--run-id", "lost", *[a for s in settings for a in ("--set", s)]]
     job = submit(client, [*args, "--set", "ray.stall_warn_s=5", "--set", "ray.stall_limit_s=60"])
@@ -157,4 +156,3 @@ def test_a_lost_worker_node_ends_with_an_error_and_the_run_id_resumes(cluster, r
     lost = pq.read_table(tmp_path / "cluster" / "lost" / "groups").drop_columns(["run_id"])
     local = pq.read_table(tmp_path / "local" / "local" / "groups").drop_columns(["run_id"])
     assert lost.num_rows > 0 and lost.equals(local)  # none lost, none duplicated, the same scores
-    assert len(shards) == 2
