@@ -283,7 +283,9 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
 
     While nothing arrives for ``warn_s`` seconds, a warning (:func:`stall_report`) is logged every ``warn_s``
     seconds; after ``limit_s`` seconds without progress (0: never) :class:`StallError` ends the wait. The iterator
-    is drained in a daemon thread, so the wait can end even while Ray blocks.
+    is drained in a daemon thread, so the wait can end even while Ray blocks. Before the error is raised, the
+    driver's running Ray Data executions are shut down and the draining thread is given up to 30 s to end, so
+    nothing of the abandoned run still talks to Ray when the caller shuts Ray down.
 
     Raises:
         StallError: no item for ``limit_s`` seconds; the message is the last report plus ``hint``.
@@ -303,7 +305,8 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
         except BaseException as e:  # noqa: BLE001 - handed to the consuming thread
             q.put(("error", e))
 
-    threading.Thread(target=drain, name="pairmine-stream", daemon=True).start()
+    thread = threading.Thread(target=drain, name="pairmine-stream", daemon=True)
+    thread.start()
     last = warned = time.time()
     while True:
         try:
@@ -312,7 +315,9 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
             now = time.time()
             idle = now - last
             if limit_s and idle >= limit_s:
-                raise StallError(f"stalled: {stall_report(stages, idle, progress())}" + (f"; {hint}" if hint else ""))
+                error = StallError(f"stalled: {stall_report(stages, idle, progress())}" + (f"; {hint}" if hint else ""))
+                _stop_execution(thread, q, error)
+                raise error
             if idle >= warn_s and now - warned >= warn_s:
                 warned = now
                 log.warning("%s", stall_report(stages, idle, progress()))
@@ -323,6 +328,42 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
             raise value
         last = warned = time.time()
         yield value
+
+
+def _stop_execution(thread, q, error: Exception) -> None:
+    """Shut down this process's running Ray Data executions (their actors are killed), then wait for the draining
+    thread to end.
+
+    Ray Data has no public call to abandon an iteration. Its ``StreamingExecutor`` runs as a thread of the driver
+    (and a Dataset only records it once the first block has arrived), so the running ones are found among the
+    process's threads; ``shutdown(force=True)`` is what Ray Data itself calls when an iteration ends early.
+    Without this, an abandoned executor keeps polling, and once the caller shuts Ray down it logs tracebacks and
+    even starts a new local Ray from its thread. Failures here are logged at debug level and ignored: the stall
+    is what the caller reports.
+    """
+    import queue
+    import threading
+
+    try:
+        from ray.data._internal.execution.streaming_executor import StreamingExecutor
+    except ImportError:  # a Ray without it: nothing to stop
+        return
+    executors = [t for t in threading.enumerate() if isinstance(t, StreamingExecutor)]
+    for executor in executors:
+        try:
+            executor.shutdown(force=True, exception=error)
+        except Exception as e:  # noqa: BLE001 - best effort; the stall error follows
+            log.debug("shutting down the stalled execution failed: %s", e)
+    if not executors:
+        return
+    deadline = time.time() + 30
+    while thread.is_alive() and time.time() < deadline:
+        try:  # keep the bounded queue from blocking the draining thread
+            q.get(timeout=0.2)
+        except queue.Empty:
+            pass
+    if thread.is_alive():
+        log.debug("the stalled stream did not end within 30 s")
 
 
 def configure_data(target_block_mb: float) -> None:
