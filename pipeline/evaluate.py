@@ -509,49 +509,47 @@ def load_per_query(path: str | Path) -> dict:
 
 def paired_bootstrap(diff: np.ndarray, resamples: int = 10_000, seed: int = 0, ci: float = 0.95,
                      max_cells: int = 4_000_000) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of paired differences.
+    """Percentile bootstrap interval of the mean of paired differences (``scipy.stats.bootstrap``).
 
-    Queries are resampled with replacement (the same resampled queries for both systems, which is what makes it
-    paired: each query's difficulty cancels in its difference). Deterministic for a given seed.
+    Queries are resampled with replacement; resampling each query's difference B - A is resampling the pairs
+    (the same queries for both systems), which is what makes it paired: each query's difficulty cancels in its
+    difference. Deterministic for a given seed.
 
     Args:
         diff: (n,) per-query differences B - A.
         resamples: bootstrap resamples.
         ci: interval level, e.g. 0.95 -> the 2.5th and 97.5th percentiles of the resampled means.
-        max_cells: resampled indices held in memory at once (bounds memory for large n).
+        max_cells: resampled values held in memory at once (scipy's ``batch``; bounds memory for large n).
 
     Returns:
         (low, high).
     """
+    from scipy import stats
+
     diff = np.asarray(diff, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    n = len(diff)
-    step = max(1, max_cells // max(n, 1))
-    means = np.concatenate([diff[rng.integers(0, n, size=(min(step, resamples - i), n))].mean(axis=1)
-                            for i in range(0, resamples, step)])  # (resamples,)
-    alpha = (1.0 - ci) / 2.0
-    low, high = np.quantile(means, [alpha, 1.0 - alpha])
-    return float(low), float(high)
+    res = stats.bootstrap((diff,), np.mean, n_resamples=resamples, confidence_level=ci, method="percentile",
+                          batch=max(1, max_cells // max(len(diff), 1)), vectorized=True,
+                          rng=np.random.default_rng(seed))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def sign_flip_p_value(diff: np.ndarray, permutations: int = 10_000, seed: int = 0, max_cells: int = 4_000_000) -> float:
-    """Two-sided paired randomisation test: under "A and B are exchangeable" each difference's sign is a coin flip.
+    """Two-sided paired randomisation test of mean(diff) = 0 (``scipy.stats.permutation_test``,
+    ``permutation_type="samples"``): under "A and B are exchangeable" each difference's sign is a coin flip.
 
-    Returns:
-        (1 + #{|mean(sign * diff)| >= |mean(diff)|}) / (1 + permutations), in (0, 1]; 1.0 when every diff is 0.
+    With 2^n <= ``permutations`` sign patterns scipy enumerates them all (an exact test); otherwise it draws
+    ``permutations`` of them, and the p-value is (1 + #{as extreme}) / (1 + permutations) per side, doubled for the
+    two-sided test and capped at 1. 1.0 when every diff is 0.
     """
+    from scipy import stats
+
     diff = np.asarray(diff, dtype=np.float64)
-    observed = abs(diff.mean())
     if not np.any(diff):
         return 1.0
-    rng = np.random.default_rng(seed)
-    n = len(diff)
-    step = max(1, max_cells // max(n, 1))
-    hits = 0
-    for i in range(0, permutations, step):
-        signs = rng.integers(0, 2, size=(min(step, permutations - i), n)) * 2 - 1  # (block, n) of +-1
-        hits += int(np.count_nonzero(np.abs((signs * diff).mean(axis=1)) >= observed - 1e-12))
-    return (1 + hits) / (1 + permutations)
+    res = stats.permutation_test((diff,), lambda x, axis: np.mean(x, axis=axis), permutation_type="samples",
+                                 n_resamples=permutations, alternative="two-sided", vectorized=True,
+                                 batch=max(1, max_cells // max(len(diff), 1)), rng=np.random.default_rng(seed))
+    return float(res.pvalue)
 
 
 def compare_results(a: dict, b: dict, metrics: list[str] | None = None, common_only: bool = False,

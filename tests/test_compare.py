@@ -52,7 +52,8 @@ def test_wins_ties_losses_and_mean_difference_by_hand(tmp_path):
 def test_bootstrap_is_seeded_and_a_constant_gain_is_clear():
     diff = np.full(30, 0.1)
     assert paired_bootstrap(diff) == pytest.approx((0.1, 0.1))
-    assert sign_flip_p_value(diff, 10_000) == pytest.approx(1 / 10_001)  # only all-plus/all-minus reach 0.1
+    # only the all-plus pattern reaches +0.1 (and all-minus -0.1): (1 + 0) / (1 + 10000) per side, doubled
+    assert sign_flip_p_value(diff, 10_000) == pytest.approx(2 / 10_001)
     rng = np.random.default_rng(1)
     noisy = rng.normal(0.02, 0.1, 200)
     assert paired_bootstrap(noisy, seed=3) == paired_bootstrap(noisy, seed=3)
