@@ -40,6 +40,7 @@ GROUP_SCHEMA = pa.schema(
         ("pool_size", pa.int64()),  # P, passages in the consistency pool; null when the filter is off
         ("consistency_k", pa.int32()),  # keep iff n_above < k; null when the filter is off
         ("model", pa.string()),
+        ("passage_prefix", pa.string()),  # the text put before every passage when it was embedded ("" for none)
     ]
 )
 STAGING_SORT_COLUMN = "_row_index"
@@ -98,6 +99,7 @@ class GroupWriter:
         staging_dir: folder (local path or URL) for staging files (``groups/`` and ``dropped/`` below it).
         run_id: written on every group.
         model: model id written on every group.
+        passage_prefix: the passage prefix the vectors were computed with, written on every group.
         threshold: anchor threshold (for the anchors count).
         pool_size, k: the consistency filter's P and k, written on every group (None: the filter is off).
         side_output: also stage the groups the consistency filter dropped (for ``<run>/dropped/``).
@@ -105,9 +107,10 @@ class GroupWriter:
     """
 
     def __init__(self, staging_dir: str, run_id: str, model: str, threshold: float, pool_size: int | None = None,
-                 k: int | None = None, side_output: bool = False, storage: Storage = LOCAL):
+                 k: int | None = None, side_output: bool = False, storage: Storage = LOCAL, passage_prefix: str = ""):
         self.staging_dir, self.run_id, self.model, self.threshold = staging_dir.rstrip("/"), run_id, model, threshold
         self.pool_size, self.k, self.side_output, self.storage = pool_size, k, side_output, storage
+        self.passage_prefix = passage_prefix
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         per_shard: dict[int, _ShardCounts] = {}
@@ -203,7 +206,8 @@ class _GroupRows:
             "anchor_index": a, "anchor_text": passages[a], "anchor_centrality": d["centrality"][a],
             "related_indices": rel, "related_texts": [passages[j] for j in rel], "related_dense": g["dense"],
             "related_tfidf": g["tfidf"], "related_rrf": g["rrf"], "s": g.get("s"), "n_above": g.get("n_above"),
-            "pool_size": w.pool_size, "consistency_k": w.k, "model": w.model, STAGING_SORT_COLUMN: d["row_index"],
+            "pool_size": w.pool_size, "consistency_k": w.k, "model": w.model,
+            "passage_prefix": w.passage_prefix, STAGING_SORT_COLUMN: d["row_index"],
         }
         for name, value in values.items():
             c[name].append(value)

@@ -174,8 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--output", metavar="DIR", help="folder that receives the run folder (default: ./runs); local or "
                    "s3://bucket/prefix. Same as output.path")
     m.add_argument("--incremental", action="store_true", help="mine only the input shards that no committed run under "
-                   "--output has mined (same path, size and S3 ETag or content SHA-256); nothing new: no run. Same "
-                   "as input.incremental=true")
+                   "--output has mined (same path, size and S3 ETag or content SHA-256); nothing new: no run. Refused "
+                   "when the settings that decide the groups (model, prefix, threshold, chunk, related, consistency, "
+                   "tfidf) differ from the latest committed run's. Same as input.incremental=true")
+    m.add_argument("--new-lineage", action="store_true", help="with --incremental and changed settings: start a new "
+                   "lineage of runs in --output and mine every shard again with the new settings. Same as "
+                   "input.new_lineage=true")
     _common_args(m)
     f = sub.add_parser(
         "filter-pairs",
@@ -240,7 +244,8 @@ def cmd_mine(args) -> int:
     from pipeline.mine import mine
 
     cfg = _load(args, ((args.input, "input.path"), (args.output, "output.path"), (args.run_id, "output.run_id"),
-                       (args.ray_address, "ray.address"), (args.incremental or None, "input.incremental")))
+                       (args.ray_address, "ray.address"), (args.incremental or None, "input.incremental"),
+                       (args.new_lineage or None, "input.new_lineage")))
     result = mine(cfg)
     s = result.stats
     if result.run_dir is None:
@@ -339,10 +344,10 @@ def add_eval_commands(sub) -> None:
                    "sentence1, sentence2): adds Spearman correlation")
     e.add_argument("--output", metavar="DIR", help="folder for summary.json and per_query.json (default: "
                    "evals/<UTC time>-<suffix>); files there are replaced")
-    e.add_argument("--query-prefix", metavar="TEXT", help='text put before each query (default: "query: " for E5 '
-                   'model names, else ""). Same as embed.query_prefix')
-    e.add_argument("--passage-prefix", metavar="TEXT", help='text put before each document (default: "passage: " for '
-                   'E5 model names, else ""). Same as embed.passage_prefix')
+    e.add_argument("--query-prefix", metavar="TEXT", help='text put before each query (default: from the model: its '
+                   'pairmine_model.json, else "query: " for E5, else ""). Same as embed.query_prefix')
+    e.add_argument("--passage-prefix", metavar="TEXT", help='text put before each document (default: from the '
+                   'model: its pairmine_model.json, else "passage: " for E5, else ""). Same as embed.passage_prefix')
     e.add_argument("--config", metavar="FILE", help="TOML file; its [embed] table is used (see pairmine mine --help)")
     e.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override a config key, e.g. --set embed.batch_size=64 --set embed.max_length=512")
@@ -386,7 +391,8 @@ def add_eval_commands(sub) -> None:
                    "Same as input.path")
     k.add_argument("--model", metavar="PATH_OR_ID", help="model folder or hub id (default: all-MiniLM-L6-v2). Same "
                    "as embed.model")
-    k.add_argument("--passage-prefix", metavar="TEXT", help='default: "passage: " for E5 model names, else ""')
+    k.add_argument("--passage-prefix", metavar="TEXT", help='default: from the model (its pairmine_model.json, else '
+                   '"passage: " for E5, else "")')
     k.add_argument("--sample-docs", type=int, default=1000, help="documents to sample (default: 1000)")
     k.add_argument("--seed", type=int, default=0, help="seed of the sample (default: 0)")
     target = k.add_mutually_exclusive_group()

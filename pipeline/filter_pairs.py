@@ -30,9 +30,10 @@ from pipeline.inputs import (
     PoolSpec, check_parquet_shards, discover_shards, pool_sample, scan_shard,
 )
 from pipeline.mine import (
-    SUCCESS_MARKER, MineResult, Progress, RunExistsError, _load_pool, _shard_dict, _versions,
+    MineResult, Progress, RunExistsError, _load_pool, _shard_dict,
     check_model, embed_pool, merge_stats, model_id, new_run_id, write_json,
 )
+from pipeline.provenance import SUCCESS_MARKER, software_versions
 from pipeline.ray_adapter import (
     Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote, watched,
 )
@@ -267,7 +268,7 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         "inputs": [_shard_dict(s) for s in shards],
         "shards": [{"shard_index": s.index, "part": f"pairs/{p.rsplit('/', 1)[-1]}", "pairs": n, "status": "committed"}
                    for s, (p, n) in zip(shards, parts)],
-        "versions": _versions(), "host": platform.node(),
+        "versions": software_versions(), "host": platform.node(),
     }
     write_json(storage, f"{run_dir}/stats.json", stats)
     write_json(storage, f"{run_dir}/manifest.json", manifest)

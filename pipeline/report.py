@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.evaluate import EvalInputError
+from pipeline.provenance import SUCCESS_MARKER
 
 log = logging.getLogger("pairmine")
 
@@ -48,7 +49,7 @@ class ReportResult:
 def _load_run(run: Path) -> tuple[dict, dict]:
     if not run.is_dir():
         raise EvalInputError(f"run folder {run} does not exist")
-    if not (run / "_SUCCESS").is_file():
+    if not (run / SUCCESS_MARKER).is_file():
         raise EvalInputError(f"{run} is not a committed run folder (no _SUCCESS marker; the run failed, is still "
                              "running, or this is not a pairmine run)")
     try:

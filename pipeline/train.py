@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline import __version__
+from pipeline.provenance import SUCCESS_MARKER, software_versions
 from pipeline.config import ConfigError
 from pipeline.inputs import InputError
 from pipeline.train_config import TrainConfig
@@ -51,7 +52,6 @@ def _type_name(t) -> str:
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return f"list<{_type_name(t.value_type)}>"
     return "string" if pa.types.is_large_string(t) else str(t)
-SUCCESS_MARKER = "_SUCCESS"
 STATE_FILE = "state.pt"
 
 
@@ -260,20 +260,70 @@ def _save_state(model, optimizer, scheduler, step: int, epoch: int, folder: str)
                 "step": step, "epoch": epoch}, os.path.join(folder, STATE_FILE))
 
 
-def _export(model, tokenizer, output: str) -> str:
-    """Save the encoder with ``save_pretrained`` and its tokenizer to ``<output>/export`` (via a local temp folder for
-    object storage)."""
+def _export(model, tokenizer, output: str, description: dict, max_length: int) -> str:
+    """Save the trained encoder to ``<output>/export`` (via a local temp folder for object storage), in the two forms
+    users load: ``transformers.AutoModel`` (``save_pretrained`` weights + tokenizer, what ``pairmine mine --set
+    embed.model=...`` loads) and a sentence-transformers model (Transformer, mean Pooling, Normalize, with the
+    query and passage prefixes as its prompts ``query`` / ``passage`` / ``document``, so
+    ``SentenceTransformer(export).encode(texts, prompt_name="passage")`` gives pairmine's vectors), plus
+    ``pairmine_model.json`` (:mod:`pipeline.model_description`: prefixes, pooling, anchor threshold, base model).
+
+    sentence-transformers writes its own module files (modules.json, 1_Pooling/, 2_Normalize/, ...) rather than us
+    hand-writing its format.
+    """
     import fsspec
+
+    from pipeline.model_description import ModelDescription, write_description
+
+    try:
+        from sentence_transformers import SentenceTransformer
+        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers import SentenceTransformer
+        from sentence_transformers.models import Normalize, Pooling, Transformer
 
     fs, root = fsspec.core.url_to_fs(output)
     target = f"{root}/export"
+    desc = ModelDescription(**{k: v for k, v in description.items() if k != "format"})
     with tempfile.TemporaryDirectory() as tmp:
         model.encoder.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        word = Transformer(tmp, max_seq_length=max_length)
+        st = SentenceTransformer(
+            modules=[word, Pooling(word.get_embedding_dimension() if hasattr(word, "get_embedding_dimension")
+                                   else word.get_word_embedding_dimension(), pooling_mode="mean"), Normalize()],
+            prompts={"query": desc.query_prefix, "passage": desc.passage_prefix, "document": desc.passage_prefix},
+            device="cpu")
+        st.save(tmp)
+        write_description(tmp, desc)
         if fs.exists(target):
             fs.rm(target, recursive=True)
         fs.put(tmp + "/", target, recursive=True)
     return target
+
+
+def export_description(cfg: TrainConfig, fs_in, run_dir: str):
+    """The :class:`pipeline.model_description.ModelDescription` the export carries: the starting encoder's
+    prefixes (as training used them) and anchor threshold; for a starting encoder with no known threshold, the one
+    the groups were mined with (their run's ``stats.json``)."""
+    import dataclasses
+
+    from operators.embed import DEFAULT_MODEL_NAME
+    from pipeline.model_description import ModelDescription
+
+    base = cfg.model_description()
+    threshold, source = base.anchor_threshold, base.threshold_source or base.source
+    if threshold is None:
+        try:
+            with fs_in.open(f"{run_dir}/stats.json") as f:
+                threshold = float(json.load(f)["anchor_threshold"])
+            source = f"the threshold its training groups were mined with ({run_dir}/stats.json)"
+        except (OSError, KeyError, TypeError, ValueError):
+            source = "unknown: run pairmine calibrate with this model"
+    return dataclasses.replace(
+        ModelDescription(), query_prefix=base.query_prefix, passage_prefix=cfg.resolved_prefix(),
+        anchor_threshold=threshold, base_model=cfg.train.model or DEFAULT_MODEL_NAME, threshold_source=source,
+        pairmine_version=__version__)
 
 
 def encode_batch(tokenizer, batch: dict, cfg: TrainConfig, step: int, rank: int) -> dict:
@@ -285,7 +335,8 @@ def encode_batch(tokenizer, batch: dict, cfg: TrainConfig, step: int, rank: int)
     """
     import torch
 
-    from pipeline.xprt import doc_hash, mask_tokens
+    from operators.consistency import doc_hash
+    from pipeline.xprt import mask_tokens
 
     lo = cfg.loss
     g = len(batch["anchor_text"])
@@ -372,13 +423,13 @@ def train_loop(config: dict) -> None:
 
     from pipeline.xprt import positive_probability
 
-    from ray.train.v2._internal.execution import context as _ray_train_context
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
 
     # Ray Train logs every report() with all its metrics at INFO, per worker: our own line every 10 steps replaces it.
-    logging.getLogger(_ray_train_context.__file__).setLevel(logging.WARNING)
+    # (Its logger is private and named by file path, so the line is dropped by its text, with no private import.)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lambda record: not str(record.msg).startswith("Reporting training result"))
     cfg = TrainConfig.from_dict(config["cfg"])
     total, per_epoch, output = config["total_steps"], config["steps_per_epoch"], config["output"]
     ctx = ray.train.get_context()
@@ -473,7 +524,7 @@ def train_loop(config: dict) -> None:
 
     if rank == 0:
         metrics_log.flush()
-        target = _export(inner, tokenizer, output)
+        target = _export(inner, tokenizer, output, config["description"], cfg.train.max_length)
         log.info("exported the encoder and tokenizer to %s (step %d)", target, step)
     if world > 1:
         dist.barrier()
@@ -481,18 +532,6 @@ def train_loop(config: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Driver
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"pairmine": __version__, "python": platform.python_version()}
-    for pkg in ("ray", "torch", "transformers"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out
 
 
 def check_train_model(cfg: TrainConfig) -> None:
@@ -550,6 +589,7 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
     if n_related < 1:
         raise InputError(f"groups {groups}: the groups have no related passages")
     check_train_model(cfg)
+    description = export_description(cfg, fs_in, run_dir)
     per_epoch = n_groups // cfg.train.batch_size
     if per_epoch < 1:
         raise InputError(f"groups {groups}: {n_groups} groups are too few for one batch of train.batch_size = "
@@ -597,8 +637,8 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
         "groups": {"path": groups, "run": url(run_dir), "parts": len(parts), "groups": n_groups, "related": n_related},
         "resolved": {"workers": workers, "cpus_per_worker": cpus, "device": "cuda" if use_gpu else "cpu",
                      "backend": "nccl" if use_gpu else "gloo", "total_steps": total, "steps_per_epoch": per_epoch, "passage_prefix": cfg.resolved_prefix(),
-                     "ray": where},
-        "versions": _versions(),
+                     "export_description": description.to_json(), "ray": where},
+        "versions": software_versions(),
         "host": platform.node(),
     }
     fs_out.makedirs(out_root, exist_ok=True)
@@ -609,7 +649,7 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"cfg": cfg.to_dict(), "total_steps": total, "steps_per_epoch": per_epoch, "output": output,
-                           "cpus_per_worker": cpus},
+                           "cpus_per_worker": cpus, "description": description.to_json()},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=ray.train.RunConfig(

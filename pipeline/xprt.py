@@ -18,8 +18,6 @@ Vectors that enter the batch-level terms (L_xp, L_unif, retention) are gathered 
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import torch.nn.functional as F
 
@@ -207,8 +205,3 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     dist.all_gather(parts, x.detach().contiguous())
     parts[dist.get_rank()] = x
     return torch.cat(parts)
-
-
-def doc_hash(doc_id: str) -> int:
-    """A stable 63-bit integer for a document id (the same on every worker and every run)."""
-    return int(hashlib.sha1(doc_id.encode("utf-8")).hexdigest()[:15], 16)

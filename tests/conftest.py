@@ -46,6 +46,7 @@ def tiny_model_dir(tmp_path_factory):
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     from operators.embed import default_model_path
+    from pipeline.model_description import ModelDescription, write_description
 
     path = tmp_path_factory.mktemp("tiny-bert")
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
@@ -54,6 +55,8 @@ def tiny_model_dir(tmp_path_factory):
                         intermediate_size=128, max_position_embeddings=512)
     BertModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
+    # Random weights have no measured anchor threshold; the tests use E5's 0.825 (SPEC's hand-checked scale).
+    write_description(str(path), ModelDescription(anchor_threshold=0.825, threshold_source="tests: E5's value"))
     return str(path)
 
 

@@ -359,3 +359,26 @@ def test_consistency_side_output_holds_every_dropped_group(tiny_model_dir, sampl
     assert (f"{b['groups']} groups, {b['docs_with_groups_pct']:.1f}% of processed documents have groups, "
             f"{b['groups_per_doc']:.2f} groups per document with groups, "
             f"{b['passage_coverage_pct']:.1f}% of passages covered") in text
+
+
+def test_lineage_joins_equal_settings_and_refuses_others_unless_asked():
+    from pipeline.mine import LineageError, choose_lineage, lineage_settings, model_id
+
+    cfg = load_config()
+    resolved = {"model": model_id(cfg), "passage_prefix": "", "anchor_threshold": 0.675}
+    settings = lineage_settings(cfg.to_dict(), resolved)
+    assert settings["embed.model"] == "sentence-transformers/all-MiniLM-L6-v2" and settings["anchors.threshold"] == 0.675
+    assert "embed.batch_size" not in settings and "embed.query_prefix" not in settings  # they do not decide groups
+    legacy = {"run_id": "old", "config": cfg.to_dict(), "resolved": resolved, "inputs": [{"key": "a"}]}  # no lineage
+    new = {"run_id": "n1", "config": cfg.to_dict(), "resolved": resolved, "inputs": [{"key": "b"}],
+           "lineage": {"id": "n1", "settings": settings}}
+    assert choose_lineage([], settings, "r", False, "out") == ("r", [])
+    assert choose_lineage([legacy], settings, "r", False, "out") == ("", [legacy])
+    assert choose_lineage([legacy, new], settings, "r", False, "out") == ("n1", [new])
+    other = lineage_settings(load_config(overrides=["chunk.max_words=100"]).to_dict(), {**resolved,
+                                                                                       "anchor_threshold": 0.7})
+    with pytest.raises(LineageError) as e:
+        choose_lineage([legacy, new], other, "r", False, "out")
+    assert str(e.value).startswith("out holds runs mined with other settings (latest: n1; chunk.max_words: 120 then, "
+                                   "100 now; anchors.threshold: 0.675 then, 0.7 now)")
+    assert choose_lineage([legacy, new], other, "r", True, "out") == ("r", [])

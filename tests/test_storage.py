@@ -332,6 +332,23 @@ def test_incremental_mines_each_shard_once(out, eight_shards, tiny_model_dir, tm
     ids = out.table("night-1", "groups").column("group_id").to_pylist() + \
         out.table("night-2", "groups").column("group_id").to_pylist()
     assert len(ids) == len(set(ids)) > 0  # every group once across the nights
+    assert m["lineage"]["id"] == out.json("night-1", "manifest.json")["lineage"]["id"] == "night-1"
+    assert set(out.table("night-2", "groups").column("passage_prefix").to_pylist()) == {""}
+    # Another passage prefix would mix vector spaces in the union of the runs: refused, naming it, before any work.
+    changed = subprocess.run(mine_cmd(inp, out, "night-3", tiny_model_dir, "embed.passage_prefix=passage: ")
+                             + ["--incremental"], capture_output=True, text=True, timeout=300)
+    assert changed.returncode == 2 and not out.exists("night-3"), changed.stderr[-2000:]
+    error = [x for x in changed.stderr.splitlines() if x.startswith("pairmine: error:")]
+    assert len(error) == 1 and "holds runs mined with other settings (latest: night-2; embed.passage_prefix: '' " \
+        "then, 'passage: ' now)" in error[0] and "--new-lineage" in error[0]
+    # Asked for explicitly, a new lineage mines every shard again with the new settings.
+    renewed = subprocess.run(mine_cmd(inp, out, "night-3", tiny_model_dir, "embed.passage_prefix=passage: ")
+                             + ["--incremental", "--new-lineage"], capture_output=True, text=True, timeout=900)
+    assert renewed.returncode == 0, renewed.stderr[-3000:]
+    m3 = out.json("night-3", "manifest.json")
+    assert m3["lineage"]["id"] == "night-3" and len(m3["inputs"]) == 3
+    assert m3["lineage"]["settings"]["embed.passage_prefix"] == "passage: "
+    assert set(out.table("night-3", "groups").column("passage_prefix").to_pylist()) == {"passage: "}
 
 
 def test_output_reads_as_is_with_pyarrow_ray_data_and_pandas(s3_server, ray_local, tiny_model_dir, sample_dir):

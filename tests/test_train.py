@@ -54,11 +54,22 @@ def _metrics(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def killed_and_resumed(tiny_groups, tiny_model_dir, tmp_path_factory):
-    """`pairmine train` SIGKILLed (with its local Ray) once the first checkpoint is registered and a later step is
-    logged, then the same command again."""
+def tiny_e5_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny BERT in a folder named like an E5 model and without a pairmine_model.json: pairmine knows it as E5
+    by its name only (prefixes "query: " / "passage: ", threshold 0.825)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("base") / "tiny-e5-base"
+    shutil.copytree(tiny_model_dir, path, ignore=shutil.ignore_patterns("pairmine_model.json"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tiny_groups, tiny_e5_dir, tmp_path_factory):
+    """`pairmine train` from an E5-named tiny BERT, SIGKILLed (with its local Ray) once the first checkpoint is
+    registered and a later step is logged, then the same command again."""
     out = tmp_path_factory.mktemp("train") / "xprt"
-    cmd = _cli("train", "--groups", str(tiny_groups), "--output", str(out), "--model", tiny_model_dir, *TRAIN_ARGS)
+    cmd = _cli("train", "--groups", str(tiny_groups), "--output", str(out), "--model", tiny_e5_dir, *TRAIN_ARGS)
     log1 = open(out.parent / "first.log", "w")
     proc = subprocess.Popen(cmd, stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
     snapshot = out / "ray-train" / "checkpoint_manager_snapshot.json"
@@ -114,22 +125,41 @@ def test_every_term_is_reported_and_the_loss_falls(killed_and_resumed):
     assert manifest["resolved"]["workers"] == 2 and manifest["resolved"]["backend"] == "gloo"
     assert manifest["resolved"]["total_steps"] == STEPS and manifest["config"]["loss"]["w_cross"] == 0.1
     assert "exported encoder:" in second.stdout
+    assert "Reporting training result" not in second.stdout + second.stderr  # Ray Train's per-report line is dropped
 
 
-def test_exported_encoder_loads_and_embeds(killed_and_resumed, tiny_model_dir):
+def test_exported_encoder_loads_and_embeds(killed_and_resumed, tiny_e5_dir):
+    from sentence_transformers import SentenceTransformer
     from transformers import AutoModel
 
     from operators.embed import Embedder
+    from pipeline.model_description import describe_model
 
     out, _, _ = killed_and_resumed
     export = out / "export"
     model = AutoModel.from_pretrained(export)
     assert type(model).__name__ == "BertModel" and model.config.hidden_size == 64
     texts = ["The perfect game is a rare feat in baseball.", "A pitcher retires all 27 batters."]
-    trained = Embedder(str(export), dtype="float32").encode(texts)
-    start = Embedder(tiny_model_dir, dtype="float32").encode(texts)
+    trained = Embedder(str(export), "passage: ", dtype="float32").encode(texts)
+    start = Embedder(tiny_e5_dir, "passage: ", dtype="float32").encode(texts)
     assert trained.shape == (2, 64) and np.allclose(np.linalg.norm(trained, axis=1), 1.0, atol=1e-5)
     assert not np.allclose(trained, start, atol=1e-4)  # training changed the encoder
+    # The E5 base's prefixes survive the export (its folder is named "export"): mine, filter-pairs and eval read
+    # them, and the threshold, from the export's pairmine_model.json.
+    d = describe_model(str(export))
+    assert (d.query_prefix, d.passage_prefix, d.anchor_threshold, d.base_model) == ("query: ", "passage: ", 0.825,
+                                                                                    tiny_e5_dir)
+    cfg = load_config(overrides=[f"embed.model={export}"])  # the config of mine, filter-pairs and eval
+    assert (cfg.resolved_query_prefix(), cfg.resolved_prefix(), cfg.resolved_threshold()) == ("query: ", "passage: ",
+                                                                                             0.825)
+    assert cfg.threshold_source().endswith(f"({export / 'pairmine_model.json'})")
+    # It loads as a sentence-transformers model whose prompts are the prefixes, with pairmine's vectors.
+    st = SentenceTransformer(str(export), device="cpu")
+    assert st.prompts["query"] == "query: " and st.prompts["passage"] == "passage: "
+    v = st.encode(texts, prompt_name="passage", convert_to_numpy=True)
+    assert np.all(np.sum(v * trained, axis=1) > 0.9999)
+    q = st.encode_query(texts, convert_to_numpy=True)
+    assert np.all(np.sum(q * Embedder(str(export), "query: ", dtype="float32").encode(texts), axis=1) > 0.9999)
 
 
 def test_random_positives_are_other_passages_of_the_same_document():
@@ -254,9 +284,13 @@ def test_train_reads_groups_from_s3_and_writes_checkpoints_and_export_there(tiny
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert sum(n.startswith("checkpoint_") for n in o.names("train", "ray-train")) >= 1
     local = tmp_path / "export"
-    for name in o.names("train", "export"):
+    fs, root = o.storage.fs(o.path("train", "export"))
+    fs.invalidate_cache()
+    for f in fs.find(root):  # the export holds folders too (sentence-transformers' 1_Pooling/, 2_Normalize/)
+        name = f[len(root):].strip("/")
         (local / name).parent.mkdir(parents=True, exist_ok=True)
-        (local / name).write_bytes(o.storage.read_bytes(o.path("train", "export", name)))
+        (local / name).write_bytes(fs.cat_file(f))
+    assert (local / "pairmine_model.json").exists() and (local / "modules.json").exists()
     from operators.embed import Embedder
 
     v = Embedder(str(local)).encode(["a passage about rockets", "a passage about cooking"])
