@@ -9,6 +9,7 @@ work units) and a seeded sample of its texts (for the IDF). ``plan`` combines th
 from __future__ import annotations
 
 import glob as _glob
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +78,7 @@ class ShardScan:
     ids: pa.Array  # string ids in row order (null where missing)
     sample: list[tuple[float, str]] = field(default_factory=list)  # (priority, text) of the sampled documents
     pool: list[tuple[float, int, str]] = field(default_factory=list)  # (priority, doc hash, passage) pool candidates
+    content_sha256: str = ""  # "sha256:<hex>" of the whole file, for a multipart-uploaded object only (see below)
 
     @property
     def num_rows(self) -> int:
@@ -92,6 +94,31 @@ def _format_of(path: str, forced: str) -> str | None:
     if strip_compression_suffix(low).endswith(JSONL_SUFFIXES):
         return "jsonl"
     return None
+
+
+_MULTIPART_ETAG = re.compile(r"etag:[0-9A-Fa-f]+-[0-9]+")
+
+
+def is_multipart_etag(fingerprint: str) -> bool:
+    """True for the fingerprint of an object uploaded in parts: its ETag (``<md5 of the parts' md5s>-<parts>``)
+    changes when the same bytes are uploaded again with another part size, so it does not identify the content."""
+    return _MULTIPART_ETAG.fullmatch(fingerprint) is not None
+
+
+def content_sha256(path: str, storage: Storage = LOCAL) -> str:
+    """``sha256:<hex>`` of a file's bytes, streamed in 4 MiB blocks (retried as a whole on a transient error)."""
+    import hashlib
+
+    from operators.read import open_input
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        with open_input(path, storage) as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        return "sha256:" + h.hexdigest()
+
+    return storage.retry("read", path, digest)
 
 
 def content_fingerprint(fs, path: str, info: dict) -> str:
@@ -260,7 +287,11 @@ def scan_shard(
     rows = rows[np.argsort(priority[rows], kind="stable")][:sample_docs]
     sample = list(zip(priority[rows].tolist(), texts.take(pa.array(rows, pa.int64())).to_pylist()))
     pool_candidates = _pool_candidates(shard, ids, texts, reasons, pool) if pool is not None and pool.size > 0 else []
-    return ShardScan(shard_index=shard.index, row_group_rows=rg_rows, ids=ids, sample=sample, pool=pool_candidates)
+    # A multipart object's ETag does not survive an upload of the same bytes: its content hash, recorded in the
+    # manifest, lets --incremental recognise such a re-upload (computed here, on a worker, while the shard is read).
+    content = content_sha256(shard.path, storage) if is_multipart_etag(shard.fingerprint) else ""
+    return ShardScan(shard_index=shard.index, row_group_rows=rg_rows, ids=ids, sample=sample, pool=pool_candidates,
+                     content_sha256=content)
 
 
 def _pool_candidates(shard: Shard, ids: pa.Array, texts: pa.Array, reasons: pa.Array, spec: PoolSpec) -> list:

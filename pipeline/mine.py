@@ -32,8 +32,8 @@ import numpy as np
 from pipeline.provenance import SUCCESS_MARKER, software_versions  # noqa: F401 - SUCCESS_MARKER re-exported
 from pipeline.config import ConfigError, MineConfig
 from pipeline.inputs import (
-    PoolSpec, check_parquet_shards, discover_shards, duplicate_rows, pool_sample, sample_cut, scan_shard, tfidf_sample,
-    work_units,
+    PoolSpec, check_parquet_shards, content_sha256, discover_shards, duplicate_rows, is_multipart_etag, pool_sample,
+    sample_cut, scan_shard, tfidf_sample, work_units,
 )
 from pipeline.ray_adapter import (
     Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote, watched,
@@ -476,9 +476,27 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
     return stats
 
 
-def _shard_dict(shard) -> dict:
+def _shard_dict(shard, content_sha256: str = "") -> dict:
     return {"shard_index": shard.index, "path": shard.path, "format": shard.format, "size": shard.size,
-            "fingerprint": shard.fingerprint, "key": shard.key}
+            "fingerprint": shard.fingerprint, "key": shard.key, **({"sha256": content_sha256} if content_sha256 else {})}
+
+
+def _uploaded_again(shard, runs: list[dict], storage) -> bool:
+    """True when ``shard`` is an object uploaded in parts whose path and size match a shard that a run of
+    ``runs`` mined and recorded the content hash of, and its bytes hash the same: the same content under a new
+    ETag (re-uploaded with another part size), so it is not mined again. Only such shards are read here."""
+    if not is_multipart_etag(shard.fingerprint):
+        return False
+    known = {s["sha256"] for run in runs for s in run.get("inputs", [])
+             if s.get("sha256") and s.get("path") == shard.path and s.get("size") == shard.size}
+    if not known:
+        return False
+    digest = content_sha256(shard.path, storage)
+    if digest in known:
+        log.info("incremental: %s was uploaded again with the same bytes (%s, new ETag %s): already mined",
+                 shard.path, digest[:19], shard.fingerprint[5:])
+        return True
+    return False
 
 
 def mine(cfg: MineConfig) -> MineResult:
@@ -517,7 +535,7 @@ def mine(cfg: MineConfig) -> MineResult:
                                       cfg.input.new_lineage or not cfg.input.incremental, cfg.output.path)
     if cfg.input.incremental:
         mined = {s["key"] for run in runs for s in run.get("inputs", [])}
-        new = [s for s in shards if s.key not in mined]
+        new = [s for s in shards if s.key not in mined and not _uploaded_again(s, runs, storage)]
         log.info("incremental: %d of %d input shard(s) not yet mined by a committed run of lineage %s under %s",
                  len(new), len(shards), lineage_id, out)
         if not new:
@@ -555,6 +573,7 @@ def mine(cfg: MineConfig) -> MineResult:
     rows_per_shard = {s.shard_index: s.num_rows for s in scans}
     dups = duplicate_rows(scans)
     units = work_units(shards, scans, dups)
+    content_hashes = {scan.shard_index: scan.content_sha256 for scan in scans if scan.content_sha256}
     from operators.chunk import chunk_text
     from operators.related import EmptySampleError, fit_tfidf, unfitted_tfidf
 
@@ -667,7 +686,7 @@ def mine(cfg: MineConfig) -> MineResult:
                      "embed_actors": actors, "embed_device": device, "embed_threads": threads, "ray": where,
                      "stage_plan": stage_plan.describe()},
         "lineage": {"id": lineage_id, "settings": settings},
-        "inputs": [_shard_dict(s) for s in shards],
+        "inputs": [_shard_dict(s, content_hashes.get(s.index, "")) for s in shards],
         "shards": [
             {"shard_index": s.index, "path": s.path, "part": records[s.index]["part"],
              "groups": records[s.index]["groups"], "status": "committed",

@@ -351,6 +351,54 @@ def test_incremental_mines_each_shard_once(out, eight_shards, tiny_model_dir, tm
     assert set(out.table("night-3", "groups").column("passage_prefix").to_pylist()) == {"passage: "}
 
 
+def test_the_same_bytes_uploaded_again_in_other_parts_are_not_mined_again(s3_server, ray_local, tiny_model_dir,
+                                                                          sample_dir):
+    """A multipart upload's ETag depends on the part size: the same file uploaded again gets a new one. The first
+    pass records the content hash of such an object, and --incremental compares it (issue 14, item 6)."""
+    import hashlib
+    import io
+
+    from pipeline.config import load_config
+    from pipeline.mine import mine
+
+    o = Out(f"s3://pairmine-test/reupload-{time.time_ns()}", s3_server.endpoint)
+    # 12 sample documents and a column of random bytes that nothing reads: a ~13 MB file, uploaded in parts
+    t = pq.read_table(sample_dir / "000_00000.parquet", columns=["id", "text"]).slice(0, 12)
+    rng = np.random.default_rng(0)
+    t = t.append_column("padding", pa.array([rng.bytes(1 << 20) for _ in range(12)], pa.binary()))
+    buf = io.BytesIO()
+    pq.write_table(t, buf, compression="none")
+    data = buf.getvalue()
+    fs, root = o.storage.fs(o.path("input"))
+
+    def upload(data: bytes, part_mib: int) -> str:
+        with fs.open(f"{root}/docs.parquet", "wb", block_size=part_mib << 20) as f:
+            for i in range(0, len(data), part_mib << 20):  # one part per write
+                f.write(data[i:i + (part_mib << 20)])
+        fs.invalidate_cache()
+        return str(fs.info(f"{root}/docs.parquet")["ETag"]).strip('"')
+
+    first = upload(data, 5)
+    assert first.endswith("-3")  # 13 MB in 5 MiB parts
+
+    def nightly(run_id):
+        return mine(load_config(overrides=[f"input.path={o.path('input')}/", *o.overrides, f"output.run_id={run_id}",
+                                           f"embed.model={tiny_model_dir}", "consistency.enabled=false",
+                                           "input.incremental=true"]))
+
+    assert nightly("n1").stats["docs_in"] == 12
+    (shard,) = o.json("n1", "manifest.json")["inputs"]
+    assert shard["fingerprint"] == f"etag:{first}" and shard["sha256"] == "sha256:" + hashlib.sha256(data).hexdigest()
+    second = upload(data, 7)  # the same bytes in 7 MiB parts: another ETag
+    assert second != first and second.endswith("-2")
+    assert nightly("n2").run_dir is None  # recognised by its content: nothing to mine
+    # Other bytes of the same size at the same path are new content: mined.
+    changed = bytearray(data)
+    changed[-len(data) // 2] ^= 1  # a byte of the unread padding column
+    upload(bytes(changed), 7)
+    assert nightly("n3").stats["docs_in"] == 12
+
+
 def test_output_reads_as_is_with_pyarrow_ray_data_and_pandas(s3_server, ray_local, tiny_model_dir, sample_dir):
     import pandas as pd
     import pyarrow.dataset as pads
