@@ -235,11 +235,7 @@ class MineConfig(Sections):
 
     def storage_layer(self):
         """The :class:`operators.storage.Storage` of this config (endpoint, credentials, retry policy)."""
-        from operators.storage import Storage
-
-        s = self.storage
-        return Storage(s.endpoint_url, s.region, s.access_key_id, s.secret_access_key, s.session_token, s.attempts,
-                       s.backoff_s, s.backoff_max_s)
+        return storage_of(self.storage)
 
     def validate(self) -> "MineConfig":
         """Check ranges and choices. Raises ConfigError naming the field."""
@@ -279,6 +275,14 @@ class MineConfig(Sections):
         ]
         self.check(checks)
         return self
+
+
+def storage_of(s: StorageConfig):
+    """The :class:`operators.storage.Storage` of a ``[storage]`` section (mine, filter-pairs and train share it)."""
+    from operators.storage import Storage
+
+    return Storage(s.endpoint_url, s.region, s.access_key_id, s.secret_access_key, s.session_token, s.attempts,
+                   s.backoff_s, s.backoff_max_s)
 
 
 def _split(dotted: str, config_cls: type = None) -> tuple[str, str]:

@@ -69,12 +69,14 @@ class TrainResult:
 # Driver: the groups
 
 
-def find_group_parts(groups: str) -> tuple[object, list[str], str]:
+def find_group_parts(groups: str, storage=None) -> tuple[object, list[str], str]:
     """The parquet parts of a committed mining run.
 
     Args:
         groups: a run folder of ``pairmine mine`` (with ``groups/`` and ``_SUCCESS``) or its ``groups/`` folder;
             local or an fsspec URL (``s3://...``).
+        storage: the :class:`operators.storage.Storage` to reach it with (default: local paths and the standard AWS
+            environment).
 
     Returns:
         (filesystem, part paths sorted, run folder).
@@ -83,18 +85,20 @@ def find_group_parts(groups: str) -> tuple[object, list[str], str]:
         FileNotFoundError: the folder does not exist. InputError: no _SUCCESS marker (the run is incomplete) or no
         parts.
     """
-    import fsspec
+    from operators.storage import LOCAL
 
-    fs, root = fsspec.core.url_to_fs(groups.rstrip("/"))
-    if not fs.exists(root):
+    storage = storage or LOCAL
+    fs, root = storage.fs(groups.rstrip("/"))
+    info = storage.info(groups.rstrip("/"))
+    if info is None:
         raise FileNotFoundError(f"groups {groups} does not exist")
-    if not fs.isdir(root):
+    if info.get("type") != "directory":
         raise InputError(f"groups {groups} is a file; give the run folder of pairmine mine (with groups/ and _SUCCESS)")
-    run = root if fs.exists(f"{root}/groups") else root.rsplit("/", 1)[0]
-    if not fs.exists(f"{run}/{SUCCESS_MARKER}"):
+    run = root if storage.retry("list", groups, lambda: fs.exists(f"{root}/groups")) else root.rsplit("/", 1)[0]
+    if not storage.retry("list", groups, lambda: fs.exists(f"{run}/{SUCCESS_MARKER}")):
         raise InputError(f"groups {groups}: no {SUCCESS_MARKER} marker in {run}, so the mining run is not complete "
                          "(or this is not a pairmine mine run folder)")
-    parts = sorted(p for p in fs.find(f"{run}/groups") if p.endswith(".parquet"))
+    parts = sorted(p for p in storage.retry("list", groups, lambda: fs.find(f"{run}/groups")) if p.endswith(".parquet"))
     if not parts:
         raise InputError(f"groups {groups}: {run}/groups holds no parquet part")
     return fs, parts, run
@@ -225,18 +229,19 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
 class MetricsLog:
     """``<output>/metrics.jsonl`` written by rank 0: one line per step. On resume, lines after the checkpoint's
     step (written by the killed attempt) are dropped first, so every step appears once. Local files are appended
-    line by line; object storage (no append) gets the whole file rewritten at every checkpoint and at the end."""
+    line by line; object storage (no append) gets the whole file rewritten at every checkpoint and at the end.
+    Whole-file writes go through the storage layer: retried, and whole (tmp + rename on disk, one PUT on S3)."""
 
-    def __init__(self, output: str, resume_step: int):
-        import fsspec
+    def __init__(self, output: str, resume_step: int, storage=None):
+        from operators.storage import LOCAL, is_local
 
-        self.fs, root = fsspec.core.url_to_fs(output)
-        self.path = f"{root}/metrics.jsonl"
-        self.local = "file" in self.fs.protocol  # LocalFileSystem: ("file", "local")
+        self.storage = storage or LOCAL
+        self.path = f"{output.rstrip('/')}/metrics.jsonl"
+        self.local = is_local(self.path)
         self.lines: list[str] = []
-        if self.fs.exists(self.path):
-            with self.fs.open(self.path, "r") as f:
-                self.lines = [ln for ln in f.read().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+        if self.storage.exists(self.path):
+            text = self.storage.read_bytes(self.path).decode("utf-8")
+            self.lines = [ln for ln in text.splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
         self.flush()
 
     def add(self, record: dict) -> None:
@@ -247,10 +252,7 @@ class MetricsLog:
                 f.write(line + "\n")
 
     def flush(self) -> None:
-        tmp = f"{self.path}.tmp"
-        with self.fs.open(tmp, "w") as f:
-            f.write("".join(ln + "\n" for ln in self.lines))
-        self.fs.mv(tmp, self.path)
+        self.storage.write_bytes(self.path, "".join(ln + "\n" for ln in self.lines).encode("utf-8"))
 
 
 def _save_state(model, optimizer, scheduler, step: int, epoch: int, folder: str) -> None:
@@ -260,7 +262,7 @@ def _save_state(model, optimizer, scheduler, step: int, epoch: int, folder: str)
                 "step": step, "epoch": epoch}, os.path.join(folder, STATE_FILE))
 
 
-def _export(model, tokenizer, output: str, description: dict, max_length: int) -> str:
+def _export(model, tokenizer, output: str, description: dict, max_length: int, storage=None) -> str:
     """Save the trained encoder to ``<output>/export`` (via a local temp folder for object storage), in the two forms
     users load: ``transformers.AutoModel`` (``save_pretrained`` weights + tokenizer, what ``pairmine mine --set
     embed.model=...`` loads) and a sentence-transformers model (Transformer, mean Pooling, Normalize, with the
@@ -269,10 +271,9 @@ def _export(model, tokenizer, output: str, description: dict, max_length: int) -
     ``pairmine_model.json`` (:mod:`pipeline.model_description`: prefixes, pooling, anchor threshold, base model).
 
     sentence-transformers writes its own module files (modules.json, 1_Pooling/, 2_Normalize/, ...) rather than us
-    hand-writing its format.
+    hand-writing its format. Files are uploaded one by one through ``storage`` (retried, each whole).
     """
-    import fsspec
-
+    from operators.storage import LOCAL
     from pipeline.model_description import ModelDescription, write_description
 
     try:
@@ -282,8 +283,8 @@ def _export(model, tokenizer, output: str, description: dict, max_length: int) -
         from sentence_transformers import SentenceTransformer
         from sentence_transformers.models import Normalize, Pooling, Transformer
 
-    fs, root = fsspec.core.url_to_fs(output)
-    target = f"{root}/export"
+    storage = storage or LOCAL
+    target = f"{output.rstrip('/')}/export"
     desc = ModelDescription(**{k: v for k, v in description.items() if k != "format"})
     with tempfile.TemporaryDirectory() as tmp:
         model.encoder.save_pretrained(tmp)
@@ -296,9 +297,12 @@ def _export(model, tokenizer, output: str, description: dict, max_length: int) -
             device="cpu")
         st.save(tmp)
         write_description(tmp, desc)
-        if fs.exists(target):
-            fs.rm(target, recursive=True)
-        fs.put(tmp + "/", target, recursive=True)
+        storage.rm(target)
+        for folder, _, names in os.walk(tmp):
+            for name in names:
+                local = os.path.join(folder, name)
+                with open(local, "rb") as f:
+                    storage.write_bytes(f"{target}/{os.path.relpath(local, tmp)}", f.read())
     return target
 
 
@@ -460,7 +464,7 @@ def train_loop(config: dict) -> None:
     model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": False})
     inner = model.module if hasattr(model, "module") else model
     start_step = step
-    metrics_log = MetricsLog(output, step) if rank == 0 else None
+    metrics_log = MetricsLog(output, step, config["storage"]) if rank == 0 else None
     shard = ray.train.get_dataset_shard("train")
     every = cfg.checkpoint.every_steps
     t_last = time.time()
@@ -524,7 +528,7 @@ def train_loop(config: dict) -> None:
 
     if rank == 0:
         metrics_log.flush()
-        target = _export(inner, tokenizer, output, config["description"], cfg.train.max_length)
+        target = _export(inner, tokenizer, output, config["description"], cfg.train.max_length, config["storage"])
         log.info("exported the encoder and tokenizer to %s (step %d)", target, step)
     if world > 1:
         dist.barrier()
@@ -546,11 +550,11 @@ def check_train_model(cfg: TrainConfig) -> None:
         raise ConfigError(f"train.model = {cfg.train.model!r} cannot be loaded: {str(e).splitlines()[0]}") from None
 
 
-def storage_args(output: str) -> dict:
-    """Ray Train's storage for ``output``: the path itself, or for ``s3://`` with ``$AWS_ENDPOINT_URL`` set (an
-    S3-compatible server), a pyarrow S3FileSystem with that endpoint and the bucket path (pyarrow does not read
-    that variable itself; s3fs, used for everything else, does)."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+def storage_args(output: str, endpoint: str = "") -> dict:
+    """Ray Train's storage for ``output``: the path itself, or for ``s3://`` with an endpoint (``storage.endpoint_url``,
+    else ``$AWS_ENDPOINT_URL``: an S3-compatible server), a pyarrow S3FileSystem with that endpoint and the bucket
+    path (pyarrow does not read the variable itself; s3fs, used for everything else, does)."""
+    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
     if not output.startswith("s3://") or not endpoint:
         return {"storage_path": output}
     import pyarrow.fs
@@ -572,7 +576,6 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
         FileNotFoundError, InputError: missing, incomplete or malformed groups, or too few groups for one batch.
         ConfigError: a bad combination of settings (batch size vs workers), a model that cannot be loaded.
     """
-    import fsspec
     import ray
     import ray.data
     import ray.train
@@ -584,7 +587,8 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
         return float(ray.cluster_resources().get("CPU", 1))
 
     t0 = time.time()
-    fs_in, parts, run_dir = find_group_parts(groups)
+    storage = cfg.storage_layer()
+    fs_in, parts, run_dir = find_group_parts(groups, storage)
     n_groups, n_related = check_group_parts(fs_in, parts)
     if n_related < 1:
         raise InputError(f"groups {groups}: the groups have no related passages")
@@ -596,8 +600,7 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
                          f"{cfg.train.batch_size}")
     if "://" not in output:
         output = os.path.abspath(output)
-    fs_out, out_root = fsspec.core.url_to_fs(output)
-    if fs_out.exists(out_root) and not fs_out.isdir(out_root):
+    if (storage.info(output) or {}).get("type") == "file":
         raise ConfigError(f"--output {output} is a file; it must be a folder (created if missing)")
 
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
@@ -618,7 +621,8 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
 
     url = fs_in.unstrip_protocol if "://" in groups else (lambda p: p)
     columns = list(REQUIRED_COLUMNS)
-    ds = ray.data.read_parquet([url(p) for p in parts], columns=columns)
+    ds = ray.data.read_parquet(parts if "://" in groups else [url(p) for p in parts], columns=columns,
+                               **({"filesystem": fs_in} if "://" in groups else {}))
     if cfg.train.positives == "random":
         seed = cfg.train.seed
         ds = ds.groupby("doc_id", num_partitions=max(1, min(64, len(parts)))).map_groups(
@@ -641,19 +645,18 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
         "versions": software_versions(),
         "host": platform.node(),
     }
-    fs_out.makedirs(out_root, exist_ok=True)
-    with fs_out.open(f"{out_root}/train_manifest.json", "w") as f:
-        json.dump(manifest, f, indent=2)
-        f.write("\n")
+    storage.makedirs(output)
+    storage.write_bytes(f"{output.rstrip('/')}/train_manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
 
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"cfg": cfg.to_dict(), "total_steps": total, "steps_per_epoch": per_epoch, "output": output,
-                           "cpus_per_worker": cpus, "description": description.to_json()},
+                           "cpus_per_worker": cpus, "description": description.to_json(),
+                           "storage": storage},  # the Storage object: its repr never shows credentials
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=ray.train.RunConfig(
-            **storage_args(output), name=cfg.checkpoint.name,
+            **storage_args(output, cfg.storage.endpoint_url), name=cfg.checkpoint.name,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
         ),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from pipeline.config import ConfigError, Sections, _f, apply_file_and_overrides
+from pipeline.config import ConfigError, Sections, StorageConfig, _f, apply_file_and_overrides, storage_of
 
 POSITIVES = ("xprt", "random")
 
@@ -97,6 +97,12 @@ class TrainConfig(Sections):
     scaling: ScalingSection = field(default_factory=ScalingSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     ray: TrainRaySection = field(default_factory=TrainRaySection)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+
+    def storage_layer(self):
+        """The :class:`operators.storage.Storage` of ``[storage]`` (as pairmine mine's): every read and write of
+        the training job (groups, metrics, manifest, export) goes through it, with its retries."""
+        return storage_of(self.storage)
 
     def model_description(self):
         """The :class:`pipeline.model_description.ModelDescription` of the starting encoder ``train.model``.
