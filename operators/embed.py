@@ -73,6 +73,24 @@ PAD_MULTIPLE = 16
 """Passages are padded to a multiple of this many tokens (see :func:`padded_length`)."""
 
 
+def text_keys(texts: list[str]) -> np.ndarray:
+    """(n,) int64 keys of texts (the first 8 bytes of their BLAKE2b digest): what identifies a passage whose vector
+    is already known (see :class:`Embedder`'s ``known``). Two different texts share a key with probability ~2^-64
+    per pair."""
+    import hashlib
+
+    return np.array([int.from_bytes(hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=8).digest(),
+                                    "little", signed=True) for t in texts], dtype=np.int64)
+
+
+def known_vectors(texts: list[str], vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The lookup an :class:`Embedder` takes as ``known``: (keys sorted (n,) int64, rows (n,) int64 into
+    ``vectors``, ``vectors`` (m, dim) float32). ``texts`` are the texts as embedded (prefix included)."""
+    keys = text_keys(texts)
+    order = np.argsort(keys, kind="stable")
+    return keys[order], order.astype(np.int64), vectors
+
+
 def padded_length(n_tokens: int, max_length: int, multiple: int = PAD_MULTIPLE) -> int:
     """The length a passage of ``n_tokens`` tokens is padded to: the next multiple of ``multiple``, at most
     ``max_length``. ``padded_length(17, 256) == 32``; ``padded_length(250, 250) == 250``."""
@@ -155,6 +173,11 @@ class Embedder:
         device: "auto", "cpu" or "cuda" (see :func:`pick_device`).
         threads: torch CPU threads; 0 leaves torch's default.
         trust_remote_code: passed to transformers; off unless the user sets it.
+        known: optional zero-argument callable, called once in :meth:`setup`, returning vectors this model already
+            computed with this prefix (:func:`known_vectors`): a passage whose prefixed text is among them gets that
+            vector without a forward pass (mining reuses the consistency pool's vectors; on CPU they are bitwise
+            the vectors a forward pass would give, since a vector does not depend on its batch). Counted in
+            ``reused``.
 
     Input column: ``passages`` (list<string>). Raises whatever transformers raises when the model cannot load.
     """
@@ -169,8 +192,10 @@ class Embedder:
         device: str = "auto",
         threads: int = 0,
         trust_remote_code: bool = False,
+        known=None,
     ):
         self.model_path = model or default_model_path()
+        self._known_loader, self._known = known, None
         self.passage_prefix = passage_prefix
         self.max_length = max_length
         self.batch_size = batch_size
@@ -179,6 +204,7 @@ class Embedder:
         self.threads = threads
         self.trust_remote_code = trust_remote_code
         self._model = None
+        self.reused = 0  # passages whose vector came from ``known`` instead of a forward pass
 
     def setup(self) -> None:
         """Load tokenizer and model once (called lazily on the first batch)."""
@@ -199,6 +225,8 @@ class Embedder:
         ).to(self.device)
         self._model.eval()
         self.dim = int(self._model.config.hidden_size)
+        if self._known_loader is not None:
+            self._known = self._known_loader()  # (keys sorted (n,), rows (n,), vectors (m, dim)): see known_vectors
         log.info("embedder: %s on %s (%s), dim %d, pid %d", self.model_path, self.device, self.dtype, self.dim, os.getpid())
 
     def encode(self, passages: list[str], prefix: str | None = None) -> np.ndarray:
@@ -236,9 +264,19 @@ class Embedder:
         if at_limit:  # only these can have been cut: count their full length
             full = self._tokenizer([texts[i] for i in at_limit], truncation=False, verbose=False)["input_ids"]
             truncated[[i for i, ids in zip(at_limit, full) if len(ids) > self.max_length]] = True
+        todo = np.arange(len(texts))
+        if self._known is not None and len(self._known[0]):
+            keys, rows, vectors = self._known
+            wanted = text_keys(texts)
+            pos = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+            hit = keys[pos] == wanted
+            out[hit] = vectors[rows[pos[hit]]]  # computed by this model with this prefix in the pool pass
+            todo = np.flatnonzero(~hit)
+            self.reused += int(hit.sum())
         autocast = self.dtype in ("bfloat16", "float16") and self.device == "cpu"
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for length, idx in length_batches(lengths, self.max_length, self.batch_size):
+            for length, sub in length_batches([lengths[i] for i in todo], self.max_length, self.batch_size):
+                idx = todo[sub]
                 batch = self._tokenizer.pad(
                     [features[j] for j in idx], padding="max_length", max_length=length, return_tensors="pt"
                 ).to(self.device)

@@ -132,11 +132,21 @@ def _make_chunk(cfg: MineConfig):
     return Chunker(cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages)
 
 
-def _make_embed(cfg: MineConfig, threads: int, device: str):
+def _make_embed(cfg: MineConfig, threads: int, device: str, known_refs=None):
     from operators.embed import Embedder
 
     e = cfg.embed
-    return Embedder(e.model, cfg.resolved_prefix(), e.max_length, e.batch_size, e.dtype, device, threads, e.trust_remote_code)
+    known = partial(_load_known, *known_refs) if known_refs is not None else None
+    return Embedder(e.model, cfg.resolved_prefix(), e.max_length, e.batch_size, e.dtype, device, threads,
+                    e.trust_remote_code, known)
+
+
+def _load_known(keys_ref, pool_ref):
+    """The consistency pool's vectors as an Embedder's ``known`` lookup: (keys sorted, rows, pool vectors)."""
+    import ray
+
+    keys, rows = ray.get(keys_ref)
+    return keys, rows, ray.get(pool_ref)[0]  # zero-copy from the node's object store
 
 
 def _make_centrality():
@@ -177,9 +187,13 @@ def _scan(shard, cfg: MineConfig, cut: float, pool: PoolSpec | None):
 
 
 def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage, stall_warn_s: float = 60.0,
-               stall_limit_s: float = 1800.0, hint: str = "") -> tuple[np.ndarray, np.ndarray]:
+               stall_limit_s: float = 1800.0, hint: str = "", texts_out: list | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
     """Embed the pool passages with the run's embed stage (same model, prefix, dtype) on Ray, watched for stalls
     (:func:`pipeline.ray_adapter.watched`).
+
+    Args:
+        texts_out: when given, the passages are appended to it in the order of the returned rows.
 
     Returns:
         (vectors (P, dim) float32, doc hashes (P,) int64), rows aligned (Ray may return blocks in any order, so the
@@ -202,6 +216,8 @@ def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage, 
         matrix, _ = vector_matrix(batch.column("vectors"))
         mats.append(matrix.copy())
         hashes.append(batch.column("hashes").combine_chunks().flatten().to_numpy(zero_copy_only=False))
+        if texts_out is not None:
+            texts_out.extend(batch.column("passages").combine_chunks().flatten().to_pylist())
     return np.concatenate(mats), np.concatenate(hashes).astype(np.int64)
 
 
@@ -518,6 +534,8 @@ def mine(cfg: MineConfig) -> MineResult:
     import joblib
     import ray
 
+    from operators.embed import known_vectors
+
     t0 = time.time()
     storage = cfg.storage_layer()
     out = cfg.output.path.rstrip("/") or "."
@@ -641,15 +659,21 @@ def mine(cfg: MineConfig) -> MineResult:
         ]
         if c.enabled:
             t_pool = time.time()
+            pool_texts: list[str] = []  # the pool passages in the order of pool_vectors' rows
             pool_vectors, pool_hashes = embed_pool(pool_passages, pool_hashes, embed_stage, cfg.ray.stall_warn_s,
-                                                   cfg.ray.stall_limit_s, stall_hint)
+                                                   cfg.ray.stall_limit_s, stall_hint, pool_texts)
             pool_size = len(pool_vectors)
             pool_ref = ray.put((pool_vectors, pool_hashes))
+            # The main pass takes a passage's vector from the pool when the pool pass already computed it (by the
+            # prefixed text), instead of embedding it twice: on the sample, the pool is every passage.
+            keys, rows, _ = known_vectors([cfg.resolved_prefix() + p for p in pool_texts], pool_vectors)
+            stages[2] = Stage("embed", partial(_make_embed, cfg, threads, device, (ray.put((keys, rows)), pool_ref)),
+                              batch_size=batch, actors=actors, num_cpus=stage_plan.embed_cpus, num_gpus=gpu_embed)
             if pool_size == 0:
                 log.warning("the consistency pool is empty (the input has no usable passage): every group will be kept")
-            log.info("consistency pool: %d passages embedded in %.1f s (asked for %d; k = %d)",
-                     pool_size, time.time() - t_pool, c.pool_size, c.k)
-            del pool_vectors, pool_passages
+            log.info("consistency pool: %d passages embedded in %.1f s (asked for %d; k = %d); the main pass reuses "
+                     "their vectors", pool_size, time.time() - t_pool, c.pool_size, c.k)
+            del pool_vectors, pool_passages, pool_texts
             stages.append(Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb),
                                 batch_size=batch, actors=stage_plan.filter_actors, num_cpus=light, num_gpus=gpu_filter))
         stages.append(Stage("write", partial(_make_write, staging, run_id, model_id(cfg), threshold, pool_size,

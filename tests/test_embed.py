@@ -92,3 +92,22 @@ def test_passages_cut_to_max_length_are_counted(fp32):
     assert out.column("n_token_truncated").to_pylist() == [1, 0, 0, 2]
     _, truncated = e.encode_counted([SENTENCES[1], exactly_16, SENTENCES[3]])
     assert truncated.tolist() == [True, False, False]
+
+
+def test_known_vectors_are_reused_without_a_forward_pass(fp32):
+    """The main pass of mine takes a passage's vector from the consistency pool when the pool pass computed it:
+    the same vector bitwise (a vector does not depend on its batch), counted in ``reused``."""
+    from operators.embed import known_vectors
+
+    texts = SENTENCES + ["A much longer passage about guitars, " * 6, "Short one."]
+    reference = fp32.encode(texts)
+    pool = [texts[1], texts[3], texts[5], "a pool passage that is not in the batch"]  # embedded elsewhere, any order
+    pool_vectors = fp32.encode(pool)
+    e = Embedder(dtype="float32", device="cpu", passage_prefix="", known=lambda: known_vectors(pool, pool_vectors))
+    e._tokenizer, e._model, e.dim, e.device, e.dtype = fp32._tokenizer, fp32._model, fp32.dim, "cpu", "float32"
+    e._known = e._known_loader()  # what setup() does after loading the model
+    vectors, truncated = e.encode_counted(texts)
+    assert np.array_equal(vectors, reference) and e.reused == 3 and not truncated.any()
+    # A known vector is used only for the same prefixed text: with another prefix nothing matches.
+    e.reused = 0
+    assert np.array_equal(e.encode(texts, prefix="query: "), fp32.encode(texts, prefix="query: ")) and e.reused == 0

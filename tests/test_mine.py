@@ -214,6 +214,25 @@ def test_same_input_gives_the_same_parts(tiny_model_dir, sample_dir, out):
         mine(load_config(overrides=[*out.overrides, "output.run_id=first"]))
 
 
+def test_pool_vectors_reused_by_the_main_pass_give_the_same_groups(tiny_model_dir, sample_dir, tmp_path, caplog):
+    """With the consistency filter on, the main pass takes the vectors of pool passages from the pool pass instead
+    of embedding them again (issue 15 item 3). Here the pool is every passage: the groups (centralities, dense and
+    RRF scores) are bit for bit those of a run that embeds every passage itself (filter off)."""
+    def run(run_id, *extra):
+        cfg = load_config(overrides=[f"input.path={sample_dir}/000_*.parquet", f"output.path={tmp_path}",
+                                     f"output.run_id={run_id}", f"embed.model={tiny_model_dir}", "embed.dtype=float32",
+                                     "anchors.threshold=0.99", *extra])
+        stats = mine(cfg).stats
+        return stats, pq.read_table(tmp_path / run_id / "groups").drop_columns(
+            ["run_id", "s", "n_above", "pool_size", "consistency_k"])
+
+    plain_stats, plain = run("plain", "consistency.enabled=false")
+    with caplog.at_level(logging.INFO, logger="pairmine"):
+        stats, reused = run("reused", "consistency.pool_size=100000", "consistency.k=100000")
+    assert plain.num_rows == stats["groups"] == stats["groups_mined"] > 0 and reused.equals(plain)
+    assert "the main pass reuses their vectors" in caplog.text
+
+
 def test_cli_missing_text_column_is_a_clear_error(tmp_path):
     pq.write_table(pa.table({"id": ["a"], "body": ["some text"]}), tmp_path / "x.parquet")
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--input", str(tmp_path / "x.parquet"),
