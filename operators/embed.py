@@ -205,6 +205,7 @@ class Embedder:
         self.trust_remote_code = trust_remote_code
         self._model = None
         self.reused = 0  # passages whose vector came from ``known`` instead of a forward pass
+        self.last_reused = np.zeros(0, dtype=bool)  # of the last encode_counted call, per passage
 
     def setup(self) -> None:
         """Load tokenizer and model once (called lazily on the first batch)."""
@@ -253,6 +254,7 @@ class Embedder:
             self.setup()
         out = np.zeros((len(passages), self.dim), dtype=np.float32)
         truncated = np.zeros(len(passages), dtype=bool)
+        self.last_reused = np.zeros(len(passages), dtype=bool)
         if not passages:
             return out, truncated
         prefix = self.passage_prefix if prefix is None else prefix
@@ -273,6 +275,7 @@ class Embedder:
             out[hit] = vectors[rows[pos[hit]]]  # computed by this model with this prefix in the pool pass
             todo = np.flatnonzero(~hit)
             self.reused += int(hit.sum())
+            self.last_reused = hit
         autocast = self.dtype in ("bfloat16", "float16") and self.device == "cpu"
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             for length, sub in length_batches([lengths[i] for i in todo], self.max_length, self.batch_size):
@@ -286,8 +289,9 @@ class Embedder:
         return out, truncated
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        """Add ``vectors`` (list<fixed_size_list<float32, dim>>) and ``n_token_truncated`` (int32: passages of the
-        document cut to ``max_length`` tokens) to a batch of documents with a ``passages`` column."""
+        """Add ``vectors`` (list<fixed_size_list<float32, dim>>), ``n_token_truncated`` (int32: passages of the
+        document cut to ``max_length`` tokens) and ``n_vector_reused`` (int32: passages whose vector came from
+        ``known``) to a batch of documents with a ``passages`` column."""
         if self._model is None:
             self.setup()
         per_doc = batch.column("passages").to_pylist()
@@ -296,4 +300,6 @@ class Embedder:
         bounds = np.cumsum([0] + [len(doc) for doc in per_doc])
         vectors = vectors_array([matrix[bounds[i] : bounds[i + 1]] for i in range(len(per_doc))], self.dim)
         counts = [int(truncated[bounds[i] : bounds[i + 1]].sum()) for i in range(len(per_doc))]
-        return batch.append_column("vectors", vectors).append_column("n_token_truncated", pa.array(counts, pa.int32()))
+        reused = [int(self.last_reused[bounds[i] : bounds[i + 1]].sum()) for i in range(len(per_doc))]
+        return (batch.append_column("vectors", vectors).append_column("n_token_truncated", pa.array(counts, pa.int32()))
+                .append_column("n_vector_reused", pa.array(reused, pa.int32())))

@@ -448,6 +448,7 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
         "passages_duplicate_dropped": int(total["passages_duplicate_dropped"]),
         "passages_truncated": int(total["passages_truncated"]),
         "passages_token_truncated": int(total["passages_token_truncated"]),
+        "passages_vector_reused": int(total["passages_vector_reused"]),
         "anchors": int(total["anchors"]),
         "anchor_threshold": cfg.resolved_threshold(),
         "groups_per_doc": round(groups / with_g, 4) if with_g else 0.0,

@@ -111,10 +111,12 @@ def eight_shards(tmp_path_factory, sample_dir):
     return d
 
 
-def mine_cmd(inp, o: Out, run_id: str, model: str, *extra: str) -> list[str]:
+def mine_cmd(inp, o: Out, run_id: str, model: str, *extra: str, endpoint_in_config: bool = True) -> list[str]:
+    """``pairmine mine`` into ``o`` with the tiny model; the S3 endpoint as ``--set storage.endpoint_url`` unless
+    ``endpoint_in_config`` is off (the caller then sets AWS_ENDPOINT_URL)."""
     args = [sys.executable, "-m", "pipeline.cli", "mine", "--input", str(inp), "--output", o.root, "--run-id", run_id,
             "--set", f"embed.model={model}"]
-    for item in RUN_SET + o.overrides[1:] + list(extra):
+    for item in RUN_SET + (o.overrides[1:] if endpoint_in_config else []) + list(extra):
         args += ["--set", item]
     return args
 
@@ -312,9 +314,10 @@ def test_incremental_mines_each_shard_once(out, eight_shards, tiny_model_dir, tm
     for name in ("000_00000-a.parquet", "000_00000-b.parquet"):
         (inp / name).write_bytes((eight_shards / name).read_bytes())
 
-    def nightly(run_id):
-        return subprocess.run(mine_cmd(inp, out, run_id, tiny_model_dir) + ["--incremental"], capture_output=True,
-                              text=True, timeout=900)
+    def nightly(run_id):  # on S3: the endpoint from the standard AWS_ENDPOINT_URL, as the README's commands give it
+        cmd = mine_cmd(inp, out, run_id, tiny_model_dir, endpoint_in_config=False) + ["--incremental"]
+        env = {**os.environ, **({"AWS_ENDPOINT_URL": out.endpoint} if out.is_s3 else {})}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
 
     first = nightly("night-1")
     assert first.returncode == 0, first.stderr[-3000:]
