@@ -125,6 +125,15 @@ class Out:
         return pads.dataset(strip(self.path(*parts)), format="parquet", filesystem=fs).to_table()
 
 
+def out_for(request, root: str) -> Out:
+    """An ``Out`` at ``root`` (local) or at a fresh prefix of the test S3 bucket, by ``request.param`` ("local" or
+    "s3"), for module-scoped fixtures that run once per storage."""
+    if request.param == "local":
+        return Out(root, None)
+    server = request.getfixturevalue("s3_server")
+    return Out(f"s3://pairmine-test/{request.fixturename}-{request.param}-{id(request)}", server.endpoint)
+
+
 @pytest.fixture(params=["local", "s3"])
 def out(request, tmp_path):
     """Every test that writes output runs twice: into a local folder and into the test S3 server."""

@@ -29,7 +29,7 @@ def fiqa_pairs(n: int) -> tuple[list[dict], list[dict]]:
 
 @pytest.fixture(scope="module", params=["local", "s3"])
 def fiqa_run(request, tmp_path_factory):
-    from tests.test_mine import out_for
+    from tests.conftest import out_for
 
     d = tmp_path_factory.mktemp("fiqa")
     o = out_for(request, str(d / "runs"))

@@ -171,7 +171,7 @@ def assert_same_groups(a: pa.Table, b: pa.Table) -> None:
 @pytest.fixture(scope="module", params=["local", "s3"])
 def reference(request, eight_shards, tiny_model_dir, tmp_path_factory):
     """An uninterrupted run of the 8 shards: the groups every interrupted run must end with."""
-    from tests.test_mine import out_for
+    from tests.conftest import out_for
 
     o = out_for(request, str(tmp_path_factory.mktemp("kill-runs")))
     log = Path(tmp_path_factory.mktemp("logs")) / "reference.log"
