@@ -176,8 +176,8 @@ class Embedder:
         known: optional zero-argument callable, called once in :meth:`setup`, returning vectors this model already
             computed with this prefix (:func:`known_vectors`): a passage whose prefixed text is among them gets that
             vector without a forward pass (mining reuses the consistency pool's vectors; on CPU they are bitwise
-            the vectors a forward pass would give, since a vector does not depend on its batch). Counted in
-            ``reused``.
+            the vectors a forward pass would give, since a vector does not depend on its batch). Which passages of
+            the last call did: ``last_reused``.
 
     Input column: ``passages`` (list<string>). Raises whatever transformers raises when the model cannot load.
     """
@@ -204,7 +204,6 @@ class Embedder:
         self.threads = threads
         self.trust_remote_code = trust_remote_code
         self._model = None
-        self.reused = 0  # passages whose vector came from ``known`` instead of a forward pass
         self.last_reused = np.zeros(0, dtype=bool)  # of the last encode_counted call, per passage
 
     def setup(self) -> None:
@@ -274,7 +273,6 @@ class Embedder:
             hit = keys[pos] == wanted
             out[hit] = vectors[rows[pos[hit]]]  # computed by this model with this prefix in the pool pass
             todo = np.flatnonzero(~hit)
-            self.reused += int(hit.sum())
             self.last_reused = hit
         autocast = self.dtype in ("bfloat16", "float16") and self.device == "cpu"
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

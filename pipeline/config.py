@@ -189,12 +189,7 @@ class MineConfig(Sections):
     def model_description(self):
         """The :class:`pipeline.model_description.ModelDescription` of ``embed.model`` (its description file, a
         known family, or an unknown model). Raises ConfigError when the model's description file is unusable."""
-        from pipeline.model_description import ModelDescriptionError, describe_model
-
-        try:
-            return describe_model(self.embed.model)
-        except ModelDescriptionError as e:
-            raise ConfigError(f"embed.model: {e}") from None
+        return describe_configured_model(self.embed.model, "embed.model")
 
     def resolved_prefix(self) -> str:
         """``embed.passage_prefix``, else the model description's passage prefix."""
@@ -275,6 +270,16 @@ class MineConfig(Sections):
         ]
         self.check(checks)
         return self
+
+
+def describe_configured_model(model: str, key: str):
+    """:func:`pipeline.model_description.describe_model`, its errors as a ConfigError naming the config ``key``."""
+    from pipeline.model_description import ModelDescriptionError, describe_model
+
+    try:
+        return describe_model(model)
+    except ModelDescriptionError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def storage_of(s: StorageConfig):

@@ -105,18 +105,23 @@ def is_multipart_etag(fingerprint: str) -> bool:
     return _MULTIPART_ETAG.fullmatch(fingerprint) is not None
 
 
-def content_sha256(path: str, storage: Storage = LOCAL) -> str:
-    """``sha256:<hex>`` of a file's bytes, streamed in 4 MiB blocks (retried as a whole on a transient error)."""
+def _sha256_of(f) -> str:
+    """``sha256:<hex>`` of an open binary file's remaining bytes, read in 4 MiB blocks."""
     import hashlib
 
+    h = hashlib.sha256()
+    for block in iter(lambda: f.read(1 << 22), b""):
+        h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def content_sha256(path: str, storage: Storage = LOCAL) -> str:
+    """``sha256:<hex>`` of a file's bytes, streamed (retried as a whole on a transient error)."""
     from operators.read import open_input
 
     def digest() -> str:
-        h = hashlib.sha256()
         with open_input(path, storage) as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        return "sha256:" + h.hexdigest()
+            return _sha256_of(f)
 
     return storage.retry("read", path, digest)
 
@@ -126,13 +131,8 @@ def content_fingerprint(fs, path: str, info: dict) -> str:
     etag = info.get("ETag") or info.get("etag")
     if etag:
         return "etag:" + str(etag).strip('"')
-    import hashlib
-
-    h = hashlib.sha256()
     with fs.open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return "sha256:" + h.hexdigest()
+        return _sha256_of(f)
 
 
 def discover_shards(path: str = "", fmt: str = "auto", storage: Storage = LOCAL) -> list[Shard]:

@@ -498,14 +498,13 @@ def _shard_dict(shard, content_sha256: str = "") -> dict:
             "fingerprint": shard.fingerprint, "key": shard.key, **({"sha256": content_sha256} if content_sha256 else {})}
 
 
-def _uploaded_again(shard, runs: list[dict], storage) -> bool:
-    """True when ``shard`` is an object uploaded in parts whose path and size match a shard that a run of
-    ``runs`` mined and recorded the content hash of, and its bytes hash the same: the same content under a new
-    ETag (re-uploaded with another part size), so it is not mined again. Only such shards are read here."""
+def _uploaded_again(shard, hashes_by_place: dict[tuple, set], storage) -> bool:
+    """True when ``shard`` is an object uploaded in parts whose (path, size) has content hashes recorded by the
+    lineage's runs (``hashes_by_place``) and its bytes hash to one of them: the same content under a new ETag
+    (re-uploaded with another part size), so it is not mined again. Only such shards are read here."""
     if not is_multipart_etag(shard.fingerprint):
         return False
-    known = {s["sha256"] for run in runs for s in run.get("inputs", [])
-             if s.get("sha256") and s.get("path") == shard.path and s.get("size") == shard.size}
+    known = hashes_by_place.get((shard.path, shard.size))
     if not known:
         return False
     digest = content_sha256(shard.path, storage)
@@ -554,7 +553,12 @@ def mine(cfg: MineConfig) -> MineResult:
                                       cfg.input.new_lineage or not cfg.input.incremental, cfg.output.path)
     if cfg.input.incremental:
         mined = {s["key"] for run in runs for s in run.get("inputs", [])}
-        new = [s for s in shards if s.key not in mined and not _uploaded_again(s, runs, storage)]
+        hashes_by_place: dict[tuple, set] = {}  # (path, size) -> content hashes recorded for multipart objects
+        for run in runs:
+            for s in run.get("inputs", []):
+                if s.get("sha256"):
+                    hashes_by_place.setdefault((s.get("path"), s.get("size")), set()).add(s["sha256"])
+        new = [s for s in shards if s.key not in mined and not _uploaded_again(s, hashes_by_place, storage)]
         log.info("incremental: %d of %d input shard(s) not yet mined by a committed run of lineage %s under %s",
                  len(new), len(shards), lineage_id, out)
         if not new:

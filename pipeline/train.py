@@ -310,8 +310,6 @@ def export_description(cfg: TrainConfig, fs_in, run_dir: str):
     """The :class:`pipeline.model_description.ModelDescription` the export carries: the starting encoder's
     prefixes (as training used them) and anchor threshold; for a starting encoder with no known threshold, the one
     the groups were mined with (their run's ``stats.json``)."""
-    import dataclasses
-
     from operators.embed import DEFAULT_MODEL_NAME
     from pipeline.model_description import ModelDescription
 
@@ -324,8 +322,8 @@ def export_description(cfg: TrainConfig, fs_in, run_dir: str):
             source = f"the threshold its training groups were mined with ({run_dir}/stats.json)"
         except (OSError, KeyError, TypeError, ValueError):
             source = "unknown: run pairmine calibrate with this model"
-    return dataclasses.replace(
-        ModelDescription(), query_prefix=base.query_prefix, passage_prefix=cfg.resolved_prefix(),
+    return ModelDescription(
+        query_prefix=base.query_prefix, passage_prefix=cfg.resolved_prefix(),
         anchor_threshold=threshold, base_model=cfg.train.model or DEFAULT_MODEL_NAME, threshold_source=source,
         pairmine_version=__version__)
 

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from pipeline.config import ConfigError, Sections, StorageConfig, _f, apply_file_and_overrides, storage_of
+from pipeline.config import (
+    Sections, StorageConfig, _f, apply_file_and_overrides, describe_configured_model, storage_of,
+)
 
 POSITIVES = ("xprt", "random")
 
@@ -107,12 +109,7 @@ class TrainConfig(Sections):
     def model_description(self):
         """The :class:`pipeline.model_description.ModelDescription` of the starting encoder ``train.model``.
         Raises ConfigError when its description file is unusable."""
-        from pipeline.model_description import ModelDescriptionError, describe_model
-
-        try:
-            return describe_model(self.train.model)
-        except ModelDescriptionError as e:
-            raise ConfigError(f"train.model: {e}") from None
+        return describe_configured_model(self.train.model, "train.model")
 
     def resolved_prefix(self) -> str:
         """``train.passage_prefix``, else the starting encoder's passage prefix (as ``pairmine mine`` resolves it)."""

@@ -107,7 +107,8 @@ def test_known_vectors_are_reused_without_a_forward_pass(fp32):
     e._tokenizer, e._model, e.dim, e.device, e.dtype = fp32._tokenizer, fp32._model, fp32.dim, "cpu", "float32"
     e._known = e._known_loader()  # what setup() does after loading the model
     vectors, truncated = e.encode_counted(texts)
-    assert np.array_equal(vectors, reference) and e.reused == 3 and not truncated.any()
+    assert np.array_equal(vectors, reference) and e.last_reused.tolist() == [False, True, False, True, False, True, False]
+    assert not truncated.any()
     # A known vector is used only for the same prefixed text: with another prefix nothing matches.
-    e.reused = 0
-    assert np.array_equal(e.encode(texts, prefix="query: "), fp32.encode(texts, prefix="query: ")) and e.reused == 0
+    assert np.array_equal(e.encode(texts, prefix="query: "), fp32.encode(texts, prefix="query: "))
+    assert not e.last_reused.any()

@@ -6,6 +6,7 @@ export of ``pairmine train`` carries the description and loads as a sentence-tra
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -63,8 +64,7 @@ def test_the_description_file_comes_before_the_name_and_explicit_config_before_b
 ])
 def test_an_unusable_description_file_is_a_config_error_naming_it(tmp_path, content, message):
     (tmp_path / DESCRIPTION_FILE).write_text(content)
-    with pytest.raises(ModelDescriptionError, match=message.replace("[", r"\[").replace("]", r"\]")
-                       .replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ModelDescriptionError, match=re.escape(message)):
         describe_model(str(tmp_path))
     with pytest.raises(ConfigError, match=r"^embed.model: .*" + DESCRIPTION_FILE):
         load_config(overrides=[f"embed.model={tmp_path}"]).resolved_prefix()
