@@ -27,9 +27,9 @@ import numpy as np
 def sample_passages(path: str) -> list[str]:
     import pyarrow as pa
 
-    from operators.chunk import chunk_text
-    from operators.read import ReadDocuments
-    from pipeline.inputs import discover_shards, duplicate_rows, scan_shard, work_units
+    from pairmine.operators.chunk import chunk_text
+    from pairmine.operators.read import ReadDocuments
+    from pairmine.pipeline.inputs import discover_shards, duplicate_rows, scan_shard, work_units
 
     shards = discover_shards(path)
     scans = [scan_shard(s, "text", "id", 1, 0) for s in shards]
@@ -72,7 +72,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from operators.embed import Embedder, default_model_path
+    from pairmine.operators.embed import Embedder, default_model_path
 
     model_dir = default_model_path()
     passages = sample_passages(args.input)
@@ -112,7 +112,7 @@ def main() -> None:
 
     if not args.skip_mine:
         with tempfile.TemporaryDirectory() as out:
-            cmd = [sys.executable, "-m", "pipeline.cli", "mine", "--output", out, "--run-id", "bench",
+            cmd = [sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--output", out, "--run-id", "bench",
                    "--set", f"embed.batch_size={args.batch_size}", "--set", f"embed.max_length={args.max_length}"]
             if args.input:
                 cmd += ["--input", args.input]

@@ -35,7 +35,7 @@ def main() -> None:
 
     import torch
 
-    from operators.consistency import consistency_counts
+    from pairmine.operators.consistency import consistency_counts
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.inputs import SAMPLE_DIR  # noqa: E402
+from pairmine.pipeline.inputs import SAMPLE_DIR  # noqa: E402
 
 
 def replicate(dst: Path, replicas: int) -> int:
@@ -81,7 +81,7 @@ def tiny_model(folder: Path) -> str:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from operators.embed import default_model_path
+    from pairmine.operators.embed import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     torch.manual_seed(0)
@@ -95,7 +95,7 @@ def tiny_model(folder: Path) -> str:
 def run_once(replicas: int, work: Path, sets: list[str]) -> dict:
     inp, out = work / f"in-{replicas}x", work / f"out-{replicas}x"
     docs = replicate(inp, replicas)
-    cmd = [sys.executable, "-m", "pipeline.cli", "mine", "--input", str(inp), "--output", str(out), "--run-id", "bench"]
+    cmd = [sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--input", str(inp), "--output", str(out), "--run-id", "bench"]
     for s in sets:
         cmd += ["--set", s]
     t0 = time.time()

@@ -40,9 +40,9 @@ def make_groups(run_dir: Path, max_docs: int = 10_000) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from operators.chunk import chunk_text
-    from operators.write import GROUP_SCHEMA, group_id
-    from pipeline.inputs import SAMPLE_DIR
+    from pairmine.operators.chunk import chunk_text
+    from pairmine.operators.write import GROUP_SCHEMA, group_id
+    from pairmine.pipeline.inputs import SAMPLE_DIR
 
     rows = []
     for shard in sorted(SAMPLE_DIR.glob("*.parquet")):
@@ -71,8 +71,8 @@ def bench_step(args, run_dir: Path) -> dict:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from pipeline.train import _autocast_dtype, _load_models, _param_groups, lr_factor, xprt_step
-    from pipeline.train_config import load_train_config
+    from pairmine.pipeline.train import _autocast_dtype, _load_models, _param_groups, lr_factor, xprt_step
+    from pairmine.pipeline.train_config import load_train_config
 
     overrides = [f"train.batch_size={args.batch}", f"train.max_length={args.max_length}", f"train.dtype={args.dtype}"]
     if args.model:
@@ -127,8 +127,8 @@ def bench_step(args, run_dir: Path) -> dict:
 
 
 def bench_job(args, run_dir: Path) -> dict:
-    from pipeline.train import train
-    from pipeline.train_config import load_train_config
+    from pairmine.pipeline.train import train
+    from pairmine.pipeline.train_config import load_train_config
 
     out_dir = Path(tempfile.mkdtemp(prefix="bench-train-"))
     overrides = [f"train.batch_size={args.batch}", f"train.max_length={args.max_length}", f"train.dtype={args.dtype}",

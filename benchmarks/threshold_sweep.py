@@ -27,8 +27,8 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from pipeline.calibrate import embed_documents, propose_threshold, sample_texts, sweep_row
-    from pipeline.config import MineConfig
+    from pairmine.pipeline.calibrate import embed_documents, propose_threshold, sample_texts, sweep_row
+    from pairmine.pipeline.config import MineConfig
 
     cfg = MineConfig()
     cfg.input.path, cfg.embed.model, cfg.embed.passage_prefix = args.input, args.model, args.prefix

@@ -48,7 +48,7 @@ class CentralityScorer:
     """
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from operators.embed import vector_matrix
+        from pairmine.operators.embed import vector_matrix
 
         matrix, offsets = vector_matrix(batch.column("vectors"))
         values = [centrality(matrix[offsets[i] : offsets[i + 1]]) for i in range(batch.num_rows)]

@@ -146,8 +146,8 @@ class ConsistencyFilter:
         self._pool, self._pool_docs = pool, np.asarray(docs, dtype=np.int64)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from operators.embed import vector_matrix
-        from operators.related import FILTERED_GROUP_TYPE
+        from pairmine.operators.embed import vector_matrix
+        from pairmine.operators.related import FILTERED_GROUP_TYPE
 
         pool, pool_docs = self.pool()
         matrix, offsets = vector_matrix(batch.column("vectors"))

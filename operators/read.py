@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from operators.storage import LOCAL, Storage, is_transient
+from pairmine.operators.storage import LOCAL, Storage, is_transient
 
 # Skip reasons (the keys of stats.json's docs_skipped).
 NULL_ID = "null_id"

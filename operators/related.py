@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from operators.centrality import anchor_indices
+from pairmine.operators.centrality import anchor_indices
 
 GROUP_TYPE = pa.struct(
     [
@@ -191,7 +191,7 @@ class RelatedMiner:
         self.n_related, self.k, self.w_dense, self.w_lexical = n_related, k, w_dense, w_lexical
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from operators.embed import vector_matrix
+        from pairmine.operators.embed import vector_matrix
 
         matrix, offsets = vector_matrix(batch.column("vectors"))
         passages = batch.column("passages").to_pylist()

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from operators.storage import LOCAL, Storage
+from pairmine.operators.storage import LOCAL, Storage
 
 # Output schema of a training group (one parquet row per group).
 GROUP_SCHEMA = pa.schema(

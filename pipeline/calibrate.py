@@ -79,8 +79,8 @@ def sample_texts(path: str, text_column: str, id_column: str, sample_docs: int, 
     Raises:
         FileNotFoundError, InputError, MissingColumnError, StorageError: as ``pairmine mine`` for the same input.
     """
-    from operators.storage import LOCAL
-    from pipeline.inputs import check_parquet_shards, discover_shards, sample_cut, scan_shard, tfidf_sample
+    from pairmine.operators.storage import LOCAL
+    from pairmine.pipeline.inputs import check_parquet_shards, discover_shards, sample_cut, scan_shard, tfidf_sample
 
     storage = storage or LOCAL  # local paths, or s3:// with the standard AWS environment
     shards = discover_shards(path, fmt, storage)
@@ -103,10 +103,10 @@ def embed_documents(texts: list[str], cfg, embedder=None) -> list[EmbeddedDoc]:
     Returns:
         One :class:`EmbeddedDoc` per text, in order.
     """
-    from operators.centrality import centrality
-    from operators.chunk import chunk_text
-    from operators.related import EmptySampleError, fit_tfidf, mine_groups, unfitted_tfidf
-    from pipeline.evaluate import make_embedder
+    from pairmine.operators.centrality import centrality
+    from pairmine.operators.chunk import chunk_text
+    from pairmine.operators.related import EmptySampleError, fit_tfidf, mine_groups, unfitted_tfidf
+    from pairmine.pipeline.evaluate import make_embedder
 
     c, r = cfg.chunk, cfg.related
     chunked = [chunk_text(t, c.max_words, c.min_words, c.max_passages).passages for t in texts]
@@ -137,7 +137,7 @@ def embed_documents(texts: list[str], cfg, embedder=None) -> list[EmbeddedDoc]:
 def sweep_row(docs: list[EmbeddedDoc], threshold: float) -> SweepRow:
     """The mining job's figures (before the consistency filter) at ``threshold`` on the embedded documents:
     anchors are passages with centrality >= threshold (``operators.centrality.anchor_indices``)."""
-    from operators.centrality import anchor_indices
+    from pairmine.operators.centrality import anchor_indices
 
     anchors = groups = with_groups = covered = covered_eligible = 0
     passages = sum(len(d.passages) for d in docs)
@@ -266,8 +266,8 @@ def calibrate(cfg, sample_docs: int = 1000, seed: int = 0, target_coverage_pct: 
         FileNotFoundError, InputError, MissingColumnError: bad input. ConfigError: the model cannot be loaded.
         EvalInputError: no usable passage in the sample, a bad target or basis.
     """
-    from pipeline.evaluate import EvalInputError
-    from pipeline.mine import check_model, model_id
+    from pairmine.pipeline.evaluate import EvalInputError
+    from pairmine.pipeline.mine import check_model, model_id
 
     target_value = target_anchor_rate_pct if target_anchor_rate_pct is not None else target_coverage_pct
     if target_value is None or not 0 <= target_value <= 100:

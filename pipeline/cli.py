@@ -9,11 +9,11 @@ import os
 import sys
 import textwrap
 
-from pipeline import __version__
+from pairmine.pipeline import __version__
 
 
 def _config_reference() -> str:
-    from pipeline.config import MineConfig
+    from pairmine.pipeline.config import MineConfig
 
     lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
     cfg = MineConfig()
@@ -100,7 +100,7 @@ examples:
 
 
 def _train_config_reference() -> str:
-    from pipeline.train_config import TrainConfig
+    from pairmine.pipeline.train_config import TrainConfig
 
     lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
     cfg = TrainConfig()
@@ -138,8 +138,8 @@ def _add_train_parser(sub) -> None:
 
 
 def cmd_train(args) -> int:
-    from pipeline.train import train
-    from pipeline.train_config import load_train_config
+    from pairmine.pipeline.train import train
+    from pairmine.pipeline.train_config import load_train_config
 
     overrides = list(args.overrides)
     for flag, key in ((args.positives, "train.positives"), (args.model, "train.model"), (args.ray_address, "ray.address")):
@@ -216,7 +216,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args, flags) -> "object":
-    from pipeline.config import load_config
+    from pairmine.pipeline.config import load_config
 
     overrides = list(args.overrides)
     for flag, key in flags:
@@ -226,7 +226,7 @@ def _load(args, flags) -> "object":
 
 
 def cmd_filter_pairs(args) -> int:
-    from pipeline.filter_pairs import filter_pairs
+    from pairmine.pipeline.filter_pairs import filter_pairs
 
     cfg = _load(args, ((args.input, "input.path"), (args.output, "output.path"), (args.run_id, "output.run_id"),
                        (args.ray_address, "ray.address"), (args.query_column, "input.query_column"),
@@ -241,7 +241,7 @@ def cmd_filter_pairs(args) -> int:
 
 
 def cmd_mine(args) -> int:
-    from pipeline.mine import mine
+    from pairmine.pipeline.mine import mine
 
     cfg = _load(args, ((args.input, "input.path"), (args.output, "output.path"), (args.run_id, "output.run_id"),
                        (args.ray_address, "ray.address"), (args.incremental or None, "input.incremental"),
@@ -411,13 +411,13 @@ def add_eval_commands(sub) -> None:
 
 def _eval_config(args, flags):
     """A MineConfig from --config/--set plus flags; unlike _load, an empty flag value ('' prefix) is kept."""
-    from pipeline.config import load_config
+    from pairmine.pipeline.config import load_config
 
     return load_config(args.config, list(args.overrides) + [f"{key}={v}" for v, key in flags if v is not None])
 
 
 def cmd_eval(args) -> int:
-    from pipeline.evaluate import METRICS, evaluate
+    from pairmine.pipeline.evaluate import METRICS, evaluate
 
     cfg = _eval_config(args, ((args.model, "embed.model"), (args.query_prefix, "embed.query_prefix"),
                               (args.passage_prefix, "embed.passage_prefix")))
@@ -442,7 +442,7 @@ def cmd_eval(args) -> int:
 def cmd_compare(args) -> int:
     import json
 
-    from pipeline.evaluate import compare_results, load_per_query, verdict
+    from pairmine.pipeline.evaluate import compare_results, load_per_query, verdict
 
     a, b = load_per_query(args.result_a), load_per_query(args.result_b)
     comps, info = compare_results(a, b, args.metric, args.common_only, args.resamples, args.seed, args.ci)
@@ -465,7 +465,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from pipeline.report import build_report
+    from pairmine.pipeline.report import build_report
 
     res = build_report(args.run, args.output or "", args.examples, args.seed, args.groups_per_doc, not args.no_reembed)
     for n in res.notes:
@@ -475,7 +475,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from pipeline.calibrate import calibrate, format_calibration
+    from pairmine.pipeline.calibrate import calibrate, format_calibration
 
     cfg = _eval_config(args, ((args.input, "input.path"), (args.model, "embed.model"),
                               (args.passage_prefix, "embed.passage_prefix")))
@@ -493,14 +493,14 @@ def user_error(e: BaseException) -> str | None:
 
     Errors raised inside Ray tasks arrive wrapped in a RayTaskError; their cause is unwrapped here so the user sees
     the message, not a remote traceback."""
-    from operators.read import MissingColumnError
-    from operators.storage import StorageError
-    from pipeline.config import ConfigError
-    from pipeline.evaluate import EvalInputError
-    from pipeline.inputs import InputError
-    from pipeline.mine import RunExistsError
-    from pipeline.ray_adapter import PlanError, StallError
-    from pipeline.xprt_model import UnsupportedModelError
+    from pairmine.operators.read import MissingColumnError
+    from pairmine.operators.storage import StorageError
+    from pairmine.pipeline.config import ConfigError
+    from pairmine.pipeline.evaluate import EvalInputError
+    from pairmine.pipeline.inputs import InputError
+    from pairmine.pipeline.mine import RunExistsError
+    from pairmine.pipeline.ray_adapter import PlanError, StallError
+    from pairmine.pipeline.xprt_model import UnsupportedModelError
 
     cause = getattr(e, "cause", None) or e
     if isinstance(cause, (ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError,

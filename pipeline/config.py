@@ -18,7 +18,7 @@ import tomllib
 # The default model's anchor threshold, 0.675, was measured on the shipped sample with benchmarks/threshold_sweep.py:
 # the value at which the sample's eligible documents (>= 5 passages) come closest to the paper's 68% passage
 # coverage (69.2%). See README, "Anchor threshold". E5's value on FineWeb is 0.825 (seed 000).
-from pipeline.model_description import DEFAULT_MINILM_THRESHOLD, E5_THRESHOLD  # noqa: F401 - re-exported
+from pairmine.pipeline.model_description import DEFAULT_MINILM_THRESHOLD, E5_THRESHOLD  # noqa: F401 - re-exported
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
@@ -161,7 +161,7 @@ class Sections:
 
     def to_dict(self) -> dict:
         """The resolved config as plain data, credentials replaced by "***" (this goes into every manifest)."""
-        from operators.storage import redact
+        from pairmine.operators.storage import redact
 
         return redact(dataclasses.asdict(self))
 
@@ -274,7 +274,7 @@ class MineConfig(Sections):
 
 def describe_configured_model(model: str, key: str):
     """:func:`pipeline.model_description.describe_model`, its errors as a ConfigError naming the config ``key``."""
-    from pipeline.model_description import ModelDescriptionError, describe_model
+    from pairmine.pipeline.model_description import ModelDescriptionError, describe_model
 
     try:
         return describe_model(model)
@@ -284,7 +284,7 @@ def describe_configured_model(model: str, key: str):
 
 def storage_of(s: StorageConfig):
     """The :class:`operators.storage.Storage` of a ``[storage]`` section (mine, filter-pairs and train share it)."""
-    from operators.storage import Storage
+    from pairmine.operators.storage import Storage
 
     return Storage(s.endpoint_url, s.region, s.access_key_id, s.secret_access_key, s.session_token, s.attempts,
                    s.backoff_s, s.backoff_max_s)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from operators.read import BLANK, jsonl_record
+from pairmine.operators.read import BLANK, jsonl_record
 
 log = logging.getLogger("pairmine")
 
@@ -329,7 +329,7 @@ def _sha256(path: Path) -> str:
 def make_embedder(cfg):
     """The evaluation's :class:`~operators.embed.Embedder`, built from a ``MineConfig``'s embed section exactly as
     the mining job builds it (model, passage prefix, max_length, batch size, dtype, device, threads)."""
-    from operators.embed import Embedder
+    from pairmine.operators.embed import Embedder
 
     e = cfg.embed
     return Embedder(e.model, cfg.resolved_prefix(), e.max_length, e.batch_size, e.dtype, e.device, e.threads,
@@ -363,7 +363,7 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
         EvalInputError: bad or missing inputs (see :func:`load_beir`, :func:`load_sts`), or neither given.
         ConfigError: the model cannot be loaded.
     """
-    from pipeline.mine import check_model, model_id, new_run_id
+    from pairmine.pipeline.mine import check_model, model_id, new_run_id
 
     if not beir and not sts:
         raise EvalInputError("nothing to evaluate: give --beir DIR and/or --sts FILE")

@@ -25,16 +25,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.config import ConfigError, MineConfig
-from pipeline.inputs import (
+from pairmine.pipeline.config import ConfigError, MineConfig
+from pairmine.pipeline.inputs import (
     PoolSpec, check_parquet_shards, discover_shards, pool_sample, scan_shard,
 )
-from pipeline.mine import (
+from pairmine.pipeline.mine import (
     MineResult, Progress, RunExistsError, _load_pool, _shard_dict,
     check_model, embed_pool, merge_stats, model_id, new_run_id, write_json,
 )
-from pipeline.provenance import SUCCESS_MARKER, software_versions
-from pipeline.ray_adapter import (
+from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
+from pairmine.pipeline.ray_adapter import (
     Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote, watched,
 )
 
@@ -46,9 +46,9 @@ def _plan_shard(shard, cfg: MineConfig, pool_size: int, seed: int) -> tuple[list
     pair's passage with a seeded priority; the shard's ``pool_size`` lowest (hash = the passage text's)."""
     import pyarrow.parquet as pq
 
-    from operators.consistency import doc_hash
-    from operators.pairs import pair_skip_reasons, read_pair_columns
-    from operators.read import open_input
+    from pairmine.operators.consistency import doc_hash
+    from pairmine.operators.pairs import pair_skip_reasons, read_pair_columns
+    from pairmine.operators.read import open_input
 
     i, storage = cfg.input, cfg.storage_layer()
     if shard.format == "parquet":
@@ -76,13 +76,13 @@ def _plan_shard(shard, cfg: MineConfig, pool_size: int, seed: int) -> tuple[list
 
 
 def _make_read(cfg: MineConfig):
-    from operators.pairs import ReadPairs
+    from pairmine.operators.pairs import ReadPairs
 
     return ReadPairs(cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column, cfg.storage_layer())
 
 
 def _make_embed(cfg: MineConfig, threads: int, device: str):
-    from operators.pairs import EmbedPairs
+    from pairmine.operators.pairs import EmbedPairs
 
     e = cfg.embed
     return EmbedPairs(cfg.resolved_query_prefix(), model=e.model, passage_prefix=cfg.resolved_prefix(),
@@ -91,7 +91,7 @@ def _make_embed(cfg: MineConfig, threads: int, device: str):
 
 
 def _make_pool_embed(cfg: MineConfig, threads: int, device: str):
-    from operators.embed import Embedder
+    from pairmine.operators.embed import Embedder
 
     e = cfg.embed
     return Embedder(e.model, cfg.resolved_prefix(), e.max_length, e.batch_size, e.dtype, device, threads,
@@ -99,20 +99,20 @@ def _make_pool_embed(cfg: MineConfig, threads: int, device: str):
 
 
 def _make_filter(pool_ref, k: int, device: str, chunk_mb: float):
-    from operators.pairs import PairFilter
+    from pairmine.operators.pairs import PairFilter
 
     return PairFilter(partial(_load_pool, pool_ref), k, device, chunk_mb)
 
 
 def _make_write(staging: str, run_id: str, model: str, pool_size: int, k: int, side_output: bool, storage):
-    from operators.pairs import PairWriter
+    from pairmine.operators.pairs import PairWriter
 
     return PairWriter(staging, run_id, model, pool_size, k, side_output, storage)
 
 
 def _compact(staging: str, out: str, shard_index: int, storage):
-    from operators.pairs import PAIR_SCHEMA
-    from operators.write import STAGING_SORT_COLUMN, compact_shard
+    from pairmine.operators.pairs import PAIR_SCHEMA
+    from pairmine.operators.write import STAGING_SORT_COLUMN, compact_shard
 
     path, n, _ = compact_shard(staging, out, shard_index, PAIR_SCHEMA, (STAGING_SORT_COLUMN,), storage)
     return path, n
@@ -126,8 +126,8 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     """
     import ray
 
-    from operators.pairs import PAIR_SKIP_REASONS
-    from operators.write import N_ABOVE_BINS
+    from pairmine.operators.pairs import PAIR_SKIP_REASONS
+    from pairmine.operators.write import N_ABOVE_BINS
 
     t0 = time.time()
     c = cfg.consistency

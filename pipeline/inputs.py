@@ -18,11 +18,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from operators.read import (  # noqa: F401  (InputError is re-exported: pipeline code imports it from here)
+from pairmine.operators.read import (  # noqa: F401  (InputError is re-exported: pipeline code imports it from here)
     InputError, check_column_types, jsonl_document_columns, open_input, parquet_document_columns, read_jsonl_records,
     require_columns, require_keys, strip_compression_suffix,
 )
-from operators.storage import LOCAL, Storage
+from pairmine.operators.storage import LOCAL, Storage
 
 SAMPLE_DIR = Path(__file__).parent / "sample" / "web-docs"
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -117,7 +117,7 @@ def _sha256_of(f) -> str:
 
 def content_sha256(path: str, storage: Storage = LOCAL) -> str:
     """``sha256:<hex>`` of a file's bytes, streamed (retried as a whole on a transient error)."""
-    from operators.read import open_input
+    from pairmine.operators.read import open_input
 
     def digest() -> str:
         with open_input(path, storage) as f:
@@ -261,7 +261,7 @@ def scan_shard(
             list, ...); the message names the column, its type and the file.
         InputError: a JSONL shard is binary, or a compressed file that cannot be decompressed.
     """
-    from operators.read import skip_reasons
+    from pairmine.operators.read import skip_reasons
 
     if shard.format == "parquet":
         def read():
@@ -295,8 +295,8 @@ def scan_shard(
 
 
 def _pool_candidates(shard: Shard, ids: pa.Array, texts: pa.Array, reasons: pa.Array, spec: PoolSpec) -> list:
-    from operators.chunk import chunk_text
-    from operators.consistency import doc_hash
+    from pairmine.operators.chunk import chunk_text
+    from pairmine.operators.consistency import doc_hash
 
     rng = np.random.default_rng([spec.seed, shard.index])
     doc_priority = rng.random(len(ids))  # (rows,)

@@ -29,13 +29,13 @@ from functools import partial
 
 import numpy as np
 
-from pipeline.provenance import SUCCESS_MARKER, software_versions  # noqa: F401 - SUCCESS_MARKER re-exported
-from pipeline.config import ConfigError, MineConfig
-from pipeline.inputs import (
+from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions  # noqa: F401 - SUCCESS_MARKER re-exported
+from pairmine.pipeline.config import ConfigError, MineConfig
+from pairmine.pipeline.inputs import (
     PoolSpec, check_parquet_shards, content_sha256, discover_shards, duplicate_rows, is_multipart_etag, pool_sample,
     sample_cut, scan_shard, tfidf_sample, work_units,
 )
-from pipeline.ray_adapter import (
+from pairmine.pipeline.ray_adapter import (
     Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote, watched,
 )
 
@@ -64,7 +64,7 @@ def new_run_id() -> str:
 
 def model_id(cfg: MineConfig) -> str:
     """The model name written on every group: ``embed.model``, or the default model's hub name."""
-    from operators.embed import DEFAULT_MODEL_NAME
+    from pairmine.operators.embed import DEFAULT_MODEL_NAME
 
     return cfg.embed.model or DEFAULT_MODEL_NAME
 
@@ -121,19 +121,19 @@ def check_model(cfg: MineConfig, needs_threshold: bool = False) -> None:
 
 # Factories are module-level functions bound with functools.partial so that Ray can pickle them by reference.
 def _make_read(cfg: MineConfig):
-    from operators.read import ReadDocuments
+    from pairmine.operators.read import ReadDocuments
 
     return ReadDocuments(cfg.input.text_column, cfg.input.id_column, cfg.input.url_column, cfg.storage_layer())
 
 
 def _make_chunk(cfg: MineConfig):
-    from operators.chunk import Chunker
+    from pairmine.operators.chunk import Chunker
 
     return Chunker(cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages)
 
 
 def _make_embed(cfg: MineConfig, threads: int, device: str, known_refs=None):
-    from operators.embed import Embedder
+    from pairmine.operators.embed import Embedder
 
     e = cfg.embed
     known = partial(_load_known, *known_refs) if known_refs is not None else None
@@ -150,13 +150,13 @@ def _load_known(keys_ref, pool_ref):
 
 
 def _make_centrality():
-    from operators.centrality import CentralityScorer
+    from pairmine.operators.centrality import CentralityScorer
 
     return CentralityScorer()
 
 
 def _make_related(cfg: MineConfig, tfidf):
-    from operators.related import RelatedMiner
+    from pairmine.operators.related import RelatedMiner
 
     r = cfg.related
     return RelatedMiner(tfidf, cfg.resolved_threshold(), r.n_related, r.rrf_k, r.w_dense, r.w_lexical)
@@ -164,7 +164,7 @@ def _make_related(cfg: MineConfig, tfidf):
 
 def _make_write(staging: str, run_id: str, model: str, threshold: float, pool_size, k, side_output: bool, storage,
                 passage_prefix: str = ""):
-    from operators.write import GroupWriter
+    from pairmine.operators.write import GroupWriter
 
     return GroupWriter(staging, run_id, model, threshold, pool_size, k, side_output, storage, passage_prefix)
 
@@ -176,7 +176,7 @@ def _load_pool(pool_ref):
 
 
 def _make_filter(pool_ref, k: int, device: str, chunk_mb: float):
-    from operators.consistency import ConsistencyFilter
+    from pairmine.operators.consistency import ConsistencyFilter
 
     return ConsistencyFilter(partial(_load_pool, pool_ref), k, device, chunk_mb)
 
@@ -201,7 +201,7 @@ def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage, 
     """
     import ray
 
-    from operators.embed import vector_matrix
+    from pairmine.operators.embed import vector_matrix
 
     per_row = 256
     rows = [{"passages": passages[i : i + per_row], "hashes": doc_hashes[i : i + per_row].tolist()}
@@ -230,7 +230,7 @@ def commit_shard(run_dir: str, shard: dict, stats: dict, side_output: bool, stor
         RuntimeError: the part holds another number of groups than the write stage counted.
         StorageError: a staging file, the part or the record cannot be read or written.
     """
-    from operators.write import compact_shard
+    from pairmine.operators.write import compact_shard
 
     i = shard["index"]
     path, n, dup = compact_shard(f"{run_dir}/_staging/groups", f"{run_dir}/groups", i, storage=storage)
@@ -419,9 +419,9 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
         RuntimeError: when the counts do not reconcile (docs_in = with + without + skipped, and docs_in equals the
             number of input rows): a document vanished or was counted twice.
     """
-    from operators.read import SKIP_REASONS
-    from operators.related import NO_ANCHOR, NO_PASSAGES, TOO_FEW_PASSAGES
-    from operators.write import CENTRALITY_BINS, N_ABOVE_BINS
+    from pairmine.operators.read import SKIP_REASONS
+    from pairmine.operators.related import NO_ANCHOR, NO_PASSAGES, TOO_FEW_PASSAGES
+    from pairmine.operators.write import CENTRALITY_BINS, N_ABOVE_BINS
 
     skipped = {r: int(total.get(f"docs_skipped.{r}", 0)) for r in SKIP_REASONS}
     reasons = (NO_PASSAGES, TOO_FEW_PASSAGES, NO_ANCHOR, "consistency_filter")
@@ -534,7 +534,7 @@ def mine(cfg: MineConfig) -> MineResult:
     import joblib
     import ray
 
-    from operators.embed import known_vectors
+    from pairmine.operators.embed import known_vectors
 
     t0 = time.time()
     storage = cfg.storage_layer()
@@ -597,8 +597,8 @@ def mine(cfg: MineConfig) -> MineResult:
     dups = duplicate_rows(scans)
     units = work_units(shards, scans, dups)
     content_hashes = {scan.shard_index: scan.content_sha256 for scan in scans if scan.content_sha256}
-    from operators.chunk import chunk_text
-    from operators.related import EmptySampleError, fit_tfidf, unfitted_tfidf
+    from pairmine.operators.chunk import chunk_text
+    from pairmine.operators.related import EmptySampleError, fit_tfidf, unfitted_tfidf
 
     sample_passages = [
         p for text in tfidf_sample(scans, cfg.tfidf.sample_docs)

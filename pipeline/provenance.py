@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import platform
 
-from pipeline import __version__
+from pairmine.pipeline import __version__
 
 SUCCESS_MARKER = "_SUCCESS"
 """File written last into a committed run folder (mine, filter-pairs); readers treat a folder without it as

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pairmine")
 
 
 @dataclass(frozen=True)

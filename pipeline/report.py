@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.evaluate import EvalInputError
-from pipeline.provenance import SUCCESS_MARKER
+from pairmine.pipeline.evaluate import EvalInputError
+from pairmine.pipeline.provenance import SUCCESS_MARKER
 
 log = logging.getLogger("pairmine")
 
@@ -61,7 +61,7 @@ def _load_run(run: Path) -> tuple[dict, dict]:
 
 
 def _config(manifest: dict):
-    from pipeline.config import ConfigError, MineConfig
+    from pairmine.pipeline.config import ConfigError, MineConfig
 
     cfg = MineConfig()
     try:
@@ -200,7 +200,7 @@ def _find_texts(shard: dict, id_column: str, text_column: str, ids: set[str], st
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from operators.read import (
+    from pairmine.operators.read import (
         jsonl_document_columns, open_input, parquet_document_columns, read_jsonl_records,
     )
 
@@ -227,8 +227,8 @@ def sample_documents(run: Path, manifest: dict, examples: int, seed: int, groups
         One dict per document: doc_id, url, groups (up to ``groups_per_doc`` rows of the run), n_groups, passages
         (list of {index, text, centrality or None, used}) or None, check (text of the re-chunk check).
     """
-    from operators.centrality import centrality
-    from operators.chunk import chunk_text
+    from pairmine.operators.centrality import centrality
+    from pairmine.operators.chunk import chunk_text
 
     parts = _read_groups(run)
     by_doc: dict[str, dict] = {}
@@ -280,8 +280,8 @@ def sample_documents(run: Path, manifest: dict, examples: int, seed: int, groups
         d["check"] = f"re-chunked: {len(passages)} passages, anchor and related texts identical to the run's"
 
     if reembed and any(d["passages"] for d in docs):
-        from pipeline.evaluate import make_embedder
-        from pipeline.mine import check_model
+        from pairmine.pipeline.evaluate import make_embedder
+        from pairmine.pipeline.mine import check_model
 
         try:
             check_model(cfg)

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline import __version__
-from pipeline.provenance import SUCCESS_MARKER, software_versions
-from pipeline.config import ConfigError
-from pipeline.inputs import InputError
-from pipeline.train_config import TrainConfig
+from pairmine.pipeline import __version__
+from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
+from pairmine.pipeline.config import ConfigError
+from pairmine.pipeline.inputs import InputError
+from pairmine.pipeline.train_config import TrainConfig
 
 log = logging.getLogger("pairmine")
 
@@ -85,7 +85,7 @@ def find_group_parts(groups: str, storage=None) -> tuple[object, list[str], str]
         FileNotFoundError: the folder does not exist. InputError: no _SUCCESS marker (the run is incomplete) or no
         parts.
     """
-    from operators.storage import LOCAL
+    from pairmine.operators.storage import LOCAL
 
     storage = storage or LOCAL
     fs, root = storage.fs(groups.rstrip("/"))
@@ -191,8 +191,8 @@ def _load_models(cfg: TrainConfig):
     import torch
     from transformers import AutoTokenizer
 
-    from operators.embed import default_model_path
-    from pipeline.xprt_model import XPRTModel, load_encoder_and_head
+    from pairmine.operators.embed import default_model_path
+    from pairmine.pipeline.xprt_model import XPRTModel, load_encoder_and_head
 
     path = cfg.train.model or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.train.trust_remote_code)
@@ -233,7 +233,7 @@ class MetricsLog:
     Whole-file writes go through the storage layer: retried, and whole (tmp + rename on disk, one PUT on S3)."""
 
     def __init__(self, output: str, resume_step: int, storage=None):
-        from operators.storage import LOCAL, is_local
+        from pairmine.operators.storage import LOCAL, is_local
 
         self.storage = storage or LOCAL
         self.path = f"{output.rstrip('/')}/metrics.jsonl"
@@ -273,8 +273,8 @@ def _export(model, tokenizer, output: str, description: dict, max_length: int, s
     sentence-transformers writes its own module files (modules.json, 1_Pooling/, 2_Normalize/, ...) rather than us
     hand-writing its format. Files are uploaded one by one through ``storage`` (retried, each whole).
     """
-    from operators.storage import LOCAL
-    from pipeline.model_description import ModelDescription, write_description
+    from pairmine.operators.storage import LOCAL
+    from pairmine.pipeline.model_description import ModelDescription, write_description
 
     try:
         from sentence_transformers import SentenceTransformer
@@ -310,8 +310,8 @@ def export_description(cfg: TrainConfig, fs_in, run_dir: str):
     """The :class:`pipeline.model_description.ModelDescription` the export carries: the starting encoder's
     prefixes (as training used them) and anchor threshold; for a starting encoder with no known threshold, the one
     the groups were mined with (their run's ``stats.json``)."""
-    from operators.embed import DEFAULT_MODEL_NAME
-    from pipeline.model_description import ModelDescription
+    from pairmine.operators.embed import DEFAULT_MODEL_NAME
+    from pairmine.pipeline.model_description import ModelDescription
 
     base = cfg.model_description()
     threshold, source = base.anchor_threshold, base.threshold_source or base.source
@@ -337,8 +337,8 @@ def encode_batch(tokenizer, batch: dict, cfg: TrainConfig, step: int, rank: int)
     """
     import torch
 
-    from operators.consistency import doc_hash
-    from pipeline.xprt import mask_tokens
+    from pairmine.operators.consistency import doc_hash
+    from pairmine.pipeline.xprt import mask_tokens
 
     lo = cfg.loss
     g = len(batch["anchor_text"])
@@ -373,8 +373,8 @@ def xprt_step(model, frozen, tokenizer, batch: dict, cfg: TrainConfig, step: int
     import torch
     import torch.nn.functional as F
 
-    from operators.embed import mean_pool
-    from pipeline.xprt import (
+    from pairmine.operators.embed import mean_pool
+    from pairmine.pipeline.xprt import (
         gather_with_grad, info_nce_symmetric, masked_lm_loss, retention_kl, retention_weight, self_distillation_loss,
         uniformity,
     )
@@ -423,7 +423,7 @@ def train_loop(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from pipeline.xprt import positive_probability
+    from pairmine.pipeline.xprt import positive_probability
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -579,7 +579,7 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from pipeline.ray_adapter import cluster_gpus, configure_data, init_ray
+    from pairmine.pipeline.ray_adapter import cluster_gpus, configure_data, init_ray
 
     def cluster_cpus() -> float:
         return float(ray.cluster_resources().get("CPU", 1))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from pipeline.config import (
+from pairmine.pipeline.config import (
     Sections, StorageConfig, _f, apply_file_and_overrides, describe_configured_model, storage_of,
 )
 

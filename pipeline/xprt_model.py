@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from operators.embed import mean_pool
+from pairmine.operators.embed import mean_pool
 
 log = logging.getLogger("pairmine")
 

@@ -34,7 +34,7 @@ def ray_local():
 
 @pytest.fixture(scope="session")
 def sample_dir():
-    from pipeline.inputs import SAMPLE_DIR
+    from pairmine.pipeline.inputs import SAMPLE_DIR
 
     return SAMPLE_DIR
 
@@ -45,8 +45,8 @@ def tiny_model_dir(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from operators.embed import default_model_path
-    from pipeline.model_description import ModelDescription, write_description
+    from pairmine.operators.embed import default_model_path
+    from pairmine.pipeline.model_description import ModelDescription, write_description
 
     path = tmp_path_factory.mktemp("tiny-bert")
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
@@ -76,7 +76,7 @@ class Out:
     point pairmine at it and readers for what lands there."""
 
     def __init__(self, root: str, endpoint: str | None):
-        from operators.storage import Storage
+        from pairmine.operators.storage import Storage
 
         self.root, self.endpoint = root.rstrip("/"), endpoint
         self.overrides = [f"output.path={self.root}"] + ([f"storage.endpoint_url={endpoint}"] if endpoint else [])
@@ -152,8 +152,8 @@ def tiny_run(tmp_path_factory, tiny_model_dir, sample_dir):
 
     fp32 and a threshold inside the tiny model's centrality range (its centralities are all ~0.99); consistency.k is
     larger than the pool, so the filter runs (n_above is counted) but keeps every group."""
-    from pipeline.config import load_config
-    from pipeline.mine import mine
+    from pairmine.pipeline.config import load_config
+    from pairmine.pipeline.mine import mine
 
     out = tmp_path_factory.mktemp("tiny-runs")
     cfg = load_config(overrides=[f"input.path={sample_dir}/000_00000.parquet", f"output.path={out}",

@@ -4,7 +4,7 @@ decides anchors and groups), and the command on the sample."""
 import numpy as np
 import pytest
 
-from pipeline.calibrate import (
+from pairmine.pipeline.calibrate import (
     EmbeddedDoc,
     calibrate,
     embed_documents,
@@ -14,8 +14,8 @@ from pipeline.calibrate import (
     shortest_threshold,
     sweep_row,
 )
-from pipeline.cli import main
-from pipeline.config import load_config
+from pairmine.pipeline.cli import main
+from pairmine.pipeline.config import load_config
 
 
 def toy_docs() -> list[EmbeddedDoc]:

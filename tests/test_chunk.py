@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from operators.chunk import Chunker, chunk_text, normalise_passage, split_sentences
+from pairmine.operators.chunk import Chunker, chunk_text, normalise_passage, split_sentences
 
 S1 = "The perfect game is a rare feat in baseball."  # 9 words
 S2 = "No opposing player reaches first base during the whole game."  # 10 words

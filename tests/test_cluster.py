@@ -67,7 +67,7 @@ def cluster(tmp_path_factory):
 
 def submit(client, args: list[str]) -> str:
     """Submit ``pairmine <args>`` as a Ray job; its id."""
-    entrypoint = " ".join([sys.executable, "-m", "pipeline.cli", *args])
+    entrypoint = " ".join([sys.executable, "-m", "pairmine.pipeline.cli", *args])
     return client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": {
         "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}})
 
@@ -83,8 +83,8 @@ def run_job(client, args: list[str], timeout: float = 600, job: str | None = Non
 
 
 def test_submitted_job_mines_what_a_local_run_mines(cluster, ray_local, tiny_model_dir, sample_dir, tmp_path):
-    from pipeline.config import load_config
-    from pipeline.mine import mine
+    from pairmine.pipeline.config import load_config
+    from pairmine.pipeline.mine import mine
 
     head, _, client = cluster
     settings = [f"embed.model={tiny_model_dir}", "embed.dtype=float32", "anchors.threshold=0.99"]
@@ -123,8 +123,8 @@ def test_a_lost_worker_node_ends_with_an_error_and_the_run_id_resumes(cluster, r
 
     import psutil
 
-    from pipeline.config import load_config
-    from pipeline.mine import mine
+    from pairmine.pipeline.config import load_config
+    from pairmine.pipeline.mine import mine
 
     head, worker, client = cluster
     settings = [f"embed.model={tiny_model_dir}", "embed.dtype=float32", "anchors.threshold=0.99"]

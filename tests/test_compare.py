@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.cli import main
-from pipeline.evaluate import (
+from pairmine.pipeline.cli import main
+from pairmine.pipeline.evaluate import (
     EvalInputError,
     compare_results,
     load_per_query,

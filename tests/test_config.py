@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.config import DEFAULT_MINILM_THRESHOLD, E5_THRESHOLD, ConfigError, load_config
+from pairmine.pipeline.config import DEFAULT_MINILM_THRESHOLD, E5_THRESHOLD, ConfigError, load_config
 
 
 def test_defaults_and_resolution():

@@ -4,10 +4,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from operators.consistency import ConsistencyFilter, consistency_counts, doc_hash
-from operators.embed import vectors_array
-from operators.related import GROUP_TYPE
-from pipeline.inputs import PoolSpec, discover_shards, pool_sample, scan_shard
+from pairmine.operators.consistency import ConsistencyFilter, consistency_counts, doc_hash
+from pairmine.operators.embed import vectors_array
+from pairmine.operators.related import GROUP_TYPE
+from pairmine.pipeline.inputs import PoolSpec, discover_shards, pool_sample, scan_shard
 
 
 def unit(*rows):
@@ -104,7 +104,7 @@ def test_pool_is_seeded_and_sized_to_the_input(sample_dir):
 
 
 def test_pool_size_zero_is_refused_with_a_hint():
-    from pipeline.config import ConfigError, load_config
+    from pairmine.pipeline.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="consistency.enabled=false"):
         load_config(overrides=["consistency.pool_size=0"])

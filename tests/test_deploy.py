@@ -29,8 +29,8 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from pipeline.cli import _load, build_parser
-from pipeline.train_config import load_train_config
+from pairmine.pipeline.cli import _load, build_parser
+from pairmine.pipeline.train_config import load_train_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

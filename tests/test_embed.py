@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from operators.embed import Embedder, length_batches, padded_length, vector_matrix, vectors_array
+from pairmine.operators.embed import Embedder, length_batches, padded_length, vector_matrix, vectors_array
 
 SENTENCES = [
     "A man is playing a guitar.",
@@ -97,7 +97,7 @@ def test_passages_cut_to_max_length_are_counted(fp32):
 def test_known_vectors_are_reused_without_a_forward_pass(fp32):
     """The main pass of mine takes a passage's vector from the consistency pool when the pool pass computed it:
     the same vector bitwise (a vector does not depend on its batch), counted in ``reused``."""
-    from operators.embed import known_vectors
+    from pairmine.operators.embed import known_vectors
 
     texts = SENTENCES + ["A much longer passage about guitars, " * 6, "Short one."]
     reference = fp32.encode(texts)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.config import load_config
-from pipeline.evaluate import EvalInputError, evaluate, exact_search, ir_metrics, load_beir, load_sts, trec_order
+from pairmine.pipeline.cli import main
+from pairmine.pipeline.config import load_config
+from pairmine.pipeline.evaluate import EvalInputError, evaluate, exact_search, ir_metrics, load_beir, load_sts, trec_order
 
 DATA = Path(__file__).resolve().parent / "data"
 FIQA = DATA / "fiqa-pairs-beir"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config
-from pipeline.filter_pairs import filter_pairs
+from pairmine.pipeline.config import load_config
+from pairmine.pipeline.filter_pairs import filter_pairs
 
 FIQA = Path(__file__).resolve().parent / "data" / "fiqa-pairs-400"
 
@@ -72,12 +72,12 @@ def test_stats_and_layout(fiqa_run):
 
 def test_cli_bad_pairs(tmp_path):
     (tmp_path / "p.jsonl").write_text(json.dumps({"question": "q", "passage": "p"}) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "filter-pairs", "--input", str(tmp_path / "p.jsonl"),
+    proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "filter-pairs", "--input", str(tmp_path / "p.jsonl"),
                            "--output", str(tmp_path / "runs")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "has no column 'query'" in proc.stderr and "Traceback" not in proc.stderr
     for extra, message in ((["--set", "consistency.enabled=false"], "cannot run without it"),
                            (["--pool", str(tmp_path / "nope")], "consistency.pool_path (--pool): input")):
-        proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "filter-pairs", "--input", str(tmp_path / "p.jsonl"),
+        proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "filter-pairs", "--input", str(tmp_path / "p.jsonl"),
                                "--query-column", "question", *extra], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 

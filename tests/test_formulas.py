@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from operators.centrality import anchor_indices, centrality
-from operators.related import (
+from pairmine.operators.centrality import anchor_indices, centrality
+from pairmine.operators.related import (
     NO_ANCHOR, NO_PASSAGES, TOO_FEW_PASSAGES, CorpusTfidf, descending_ranks, fit_tfidf, mine_groups, related_for_anchor,
     rrf_score, unfitted_tfidf,
 )

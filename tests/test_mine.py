@@ -14,10 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from operators.chunk import chunk_text, normalise_passage
-from operators.write import GROUP_SCHEMA, group_id
-from pipeline.config import load_config
-from pipeline.mine import RunExistsError, mine
+from pairmine.operators.chunk import chunk_text, normalise_passage
+from pairmine.operators.write import GROUP_SCHEMA, group_id
+from pairmine.pipeline.config import load_config
+from pairmine.pipeline.mine import RunExistsError, mine
 
 
 def sample_docs(sample_dir) -> dict:
@@ -33,7 +33,7 @@ def default_run(tmp_path_factory):
     from tests.conftest import Out
 
     o = Out(str(tmp_path_factory.mktemp("runs")), None)
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--output", o.root, "--run-id", "sample"],
+    proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--output", o.root, "--run-id", "sample"],
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return o, proc
@@ -227,7 +227,7 @@ def test_pool_vectors_reused_by_the_main_pass_give_the_same_groups(tiny_model_di
 
 def test_cli_missing_text_column_is_a_clear_error(tmp_path):
     pq.write_table(pa.table({"id": ["a"], "body": ["some text"]}), tmp_path / "x.parquet")
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--input", str(tmp_path / "x.parquet"),
+    proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--input", str(tmp_path / "x.parquet"),
                            "--output", str(tmp_path / "runs")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "has no column 'text'" in proc.stderr and "x.parquet" in proc.stderr
@@ -235,7 +235,7 @@ def test_cli_missing_text_column_is_a_clear_error(tmp_path):
 
 
 def test_cli_bad_config_value_is_a_clear_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--set", "chunk.max_words=0"],
+    proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--set", "chunk.max_words=0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "chunk.max_words = 0 is not allowed" in proc.stderr
 
@@ -253,7 +253,7 @@ def test_input_with_no_usable_document_completes(tiny_model_dir, tmp_path, out):
 
 
 def test_cli_unknown_model_fails_before_any_work(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--output", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--output", str(tmp_path),
                            "--set", f"embed.model={tmp_path / 'no-such-model'}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "embed.model = " in proc.stderr and "cannot be loaded" in proc.stderr
     assert list(tmp_path.iterdir()) == []  # no half-made run folder
@@ -290,7 +290,7 @@ def test_cli_user_errors_are_one_line(tmp_path, case):
         (tmp_path / "d.jsonl").write_text(json.dumps({"id": "a", "body": "text"}) + "\n")
         args += ["--input", str(tmp_path / "d.jsonl")]
         expected = "has no column 'text' (no record has that key)"
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "mine", *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert expected in proc.stderr and "Traceback" not in proc.stderr and "ray::" not in proc.stderr
     assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []  # no half-made run folder
@@ -373,7 +373,7 @@ def test_consistency_side_output_holds_every_dropped_group(tiny_model_dir, sampl
 
 
 def test_lineage_joins_equal_settings_and_refuses_others_unless_asked():
-    from pipeline.mine import LineageError, choose_lineage, lineage_settings, model_id
+    from pairmine.pipeline.mine import LineageError, choose_lineage, lineage_settings, model_id
 
     cfg = load_config()
     resolved = {"model": model_id(cfg), "passage_prefix": "", "anchor_threshold": 0.675}

@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import ConfigError, load_config
-from pipeline.model_description import (
+from pairmine.pipeline.config import ConfigError, load_config
+from pairmine.pipeline.model_description import (
     DESCRIPTION_FILE,
     ModelDescription,
     ModelDescriptionError,
@@ -71,7 +71,7 @@ def test_an_unusable_description_file_is_a_config_error_naming_it(tmp_path, cont
 
 
 def test_mining_an_unknown_model_stops_before_any_work_and_names_calibrate(tiny_model_dir, sample_dir, tmp_path):
-    from pipeline.mine import mine
+    from pairmine.pipeline.mine import mine
 
     unknown = tmp_path / "tiny-bert"  # no description file, no known name
     shutil.copytree(tiny_model_dir, unknown, ignore=shutil.ignore_patterns(DESCRIPTION_FILE))
@@ -90,9 +90,9 @@ def default_export(tmp_path_factory) -> str:
     """``pairmine train``'s export step applied to the untrained default model (all-MiniLM-L6-v2)."""
     from transformers import AutoModel, AutoTokenizer
 
-    from operators.embed import default_model_path
-    from pipeline.train import _export, export_description
-    from pipeline.train_config import load_train_config
+    from pairmine.operators.embed import default_model_path
+    from pairmine.pipeline.train import _export, export_description
+    from pairmine.pipeline.train_config import load_train_config
 
     out = tmp_path_factory.mktemp("default-train")
     description = export_description(load_train_config(), fsspec.filesystem("file"), str(out / "no-run"))
@@ -105,7 +105,7 @@ def default_export(tmp_path_factory) -> str:
 def test_an_export_of_the_default_model_mines_at_its_threshold(default_export, sample_dir, tmp_path, ray_local):
     """The README's next step, ``pairmine mine --set embed.model=train/xprt/export``, keeps 0.675 (name guessing
     gave 0.825 to any other model: ~11% anchors instead of ~52%)."""
-    from pipeline.mine import mine
+    from pairmine.pipeline.mine import mine
 
     docs = tmp_path / "docs.parquet"
     pq.write_table(pq.read_table(sample_dir / "000_00000.parquet").slice(0, 6), docs)
@@ -121,8 +121,8 @@ def test_an_export_of_the_default_model_mines_at_its_threshold(default_export, s
 def test_the_export_loads_in_sentence_transformers_with_pairmine_vectors(default_export, sample_dir):
     from sentence_transformers import SentenceTransformer
 
-    from operators.chunk import chunk_text
-    from operators.embed import Embedder
+    from pairmine.operators.chunk import chunk_text
+    from pairmine.operators.embed import Embedder
 
     text = pq.read_table(sample_dir / "000_00000.parquet", columns=["text"]).column("text")[0].as_py()
     passages = chunk_text(text).passages[:6] + [text[:4000]]  # the last one is cut at 256 tokens by both

@@ -11,7 +11,7 @@ import pytest
 
 from tests.raycluster import RayNode
 
-PROBE = ("import ray, sys; from pipeline.ray_adapter import init_ray; "
+PROBE = ("import ray, sys; from pairmine.pipeline.ray_adapter import init_ray; "
          "where = init_ray(*sys.argv[1:]); print(where); print(ray.get_runtime_context().gcs_address)")
 
 

@@ -11,7 +11,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.ray_adapter import PlanError, plan_stages
+from pairmine.pipeline.ray_adapter import PlanError, plan_stages
 
 
 def test_cpu_shares_fit_the_cluster():
@@ -44,7 +44,7 @@ def test_gpu_plans():
 
 def _cli(*args: str, timeout: int) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "mine", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from operators.read import MissingColumnError, ReadDocuments
-from pipeline.inputs import (
+from pairmine.operators.read import MissingColumnError, ReadDocuments
+from pairmine.pipeline.inputs import (
     check_parquet_shards, discover_shards, duplicate_rows, sample_cut, scan_shard, tfidf_sample, work_units,
 )
 
@@ -119,7 +119,7 @@ def _compress(codec: str, data: bytes) -> bytes:
 
 
 def _read(path, fmt="auto", storage=None):
-    from operators.storage import LOCAL
+    from pairmine.operators.storage import LOCAL
 
     storage = storage or LOCAL
     shards = discover_shards(str(path), fmt, storage)
@@ -153,7 +153,7 @@ def test_compressed_jsonl_gives_the_rows_of_the_plain_file(tmp_path, codec, suff
 
 @pytest.mark.parametrize("codec", ["gzip", "zstd", "bz2", "xz"])
 def test_corrupt_compressed_jsonl_is_one_input_error(tmp_path, codec):
-    from operators.read import InputError
+    from pairmine.operators.read import InputError
 
     packed = _compress(codec, _jsonl_bytes(DOCS * 50))
     (tmp_path / "cut.jsonl.x").write_bytes(packed[: len(packed) * 2 // 3])  # truncated download
@@ -162,7 +162,7 @@ def test_corrupt_compressed_jsonl_is_one_input_error(tmp_path, codec):
 
 
 def test_binary_file_read_as_jsonl_is_one_input_error(tmp_path):
-    from operators.read import InputError
+    from pairmine.operators.read import InputError
 
     (tmp_path / "image.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
     with pytest.raises(InputError, match=r"image\.jsonl cannot be read as JSONL: .*binary data"):
@@ -227,7 +227,7 @@ def test_parquet_binary_text_with_invalid_utf8_and_bom_is_repaired(tmp_path):
     (pa.array([{"body": "a"}, {"body": "b"}]), "struct<body: string>"),
 ])
 def test_parquet_text_column_that_is_not_text_is_refused(tmp_path, values, type_name):
-    from operators.read import ColumnTypeError
+    from pairmine.operators.read import ColumnTypeError
 
     pq.write_table(pa.table({"id": ["a", "b"], "text": values}), tmp_path / "x.parquet")
     message = rf"input .*x\.parquet: column 'text' has type {re.escape(type_name)}, which is not text"
@@ -238,7 +238,7 @@ def test_parquet_text_column_that_is_not_text_is_refused(tmp_path, values, type_
 
 
 def test_parquet_id_column_of_lists_is_refused(tmp_path):
-    from operators.read import ColumnTypeError
+    from pairmine.operators.read import ColumnTypeError
 
     pq.write_table(pa.table({"id": [[1], [2]], "text": ["a", "b"]}), tmp_path / "x.parquet")
     with pytest.raises(ColumnTypeError, match=r"x\.parquet: column 'id' has type list<element: int64>"):
@@ -248,7 +248,7 @@ def test_parquet_id_column_of_lists_is_refused(tmp_path):
 @pytest.mark.parametrize("value,json_type", [(7, "number"), (2.5, "number"), (["a", "b"], "array"),
                                              ({"body": "a"}, "object"), (True, "boolean")])
 def test_jsonl_text_that_is_not_a_string_is_refused(tmp_path, value, json_type):
-    from operators.read import ColumnTypeError
+    from pairmine.operators.read import ColumnTypeError
 
     rows = [{"id": 1, "text": "a real text"}, {"id": 2, "text": value}]
     (tmp_path / "d.jsonl").write_bytes(_jsonl_bytes(rows))
@@ -259,7 +259,7 @@ def test_jsonl_text_that_is_not_a_string_is_refused(tmp_path, value, json_type):
 def test_pairs_are_read_with_the_same_decoding(tmp_path):
     import gzip
 
-    from operators.pairs import read_pair_columns
+    from pairmine.operators.pairs import read_pair_columns
 
     rows = b'{"query": "q \\ud83d", "passage": "caf\xe9", "id": 5}\n\xef\xbb\xbf{"query": "q2", "passage": "p2"}\n'
     (tmp_path / "p.jsonl.gz").write_bytes(gzip.compress(rows))
@@ -276,7 +276,7 @@ def test_pairs_are_read_with_the_same_decoding(tmp_path):
 def test_compressed_jsonl_on_s3(s3_server, tmp_path):
     from backports import zstd
 
-    from operators.storage import Storage
+    from pairmine.operators.storage import Storage
 
     storage = Storage(endpoint_url=s3_server.endpoint)
     data = _jsonl_bytes(DOCS)

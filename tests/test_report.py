@@ -10,9 +10,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cli import main
-from pipeline.evaluate import EvalInputError
-from pipeline.report import PLOTS, build_report
+from pairmine.pipeline.cli import main
+from pairmine.pipeline.evaluate import EvalInputError
+from pairmine.pipeline.report import PLOTS, build_report
 
 ROOT = Path(__file__).resolve().parent.parent
 

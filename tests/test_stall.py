@@ -15,7 +15,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.ray_adapter import Stage, StallError, stall_report, watched
+from pairmine.pipeline.ray_adapter import Stage, StallError, stall_report, watched
 
 
 def test_report_names_the_stage_ray_cannot_place(ray_local):
@@ -77,7 +77,7 @@ def _embed_actors(root: int) -> list:
 
 def test_frozen_embedder_ends_the_run_and_the_run_id_resumes(tiny_model_dir, sample_dir, tmp_path):
     pq.write_table(pq.read_table(sample_dir / "000_00000.parquet").slice(0, 60), tmp_path / "docs.parquet")
-    cmd = [sys.executable, "-m", "pipeline.cli", "mine", "--input", str(tmp_path / "docs.parquet"), "--output",
+    cmd = [sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--input", str(tmp_path / "docs.parquet"), "--output",
            str(tmp_path / "runs"), "--run-id", "frozen", "--set", f"embed.model={tiny_model_dir}",
            "--set", "ray.num_cpus=2"]
     watch = ["--set", "ray.stall_warn_s=3", "--set", "ray.stall_limit_s=20"]

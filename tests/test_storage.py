@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from operators.storage import Storage, StorageError, is_transient, redact
+from pairmine.operators.storage import Storage, StorageError, is_transient, redact
 from tests.conftest import S3_SECRET, Out
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def test_retry_backs_off_then_succeeds_and_other_errors_fail_at_once(tmp_path):
 
 
 def test_credentials_are_redacted_everywhere_they_could_show():
-    from pipeline.config import load_config
+    from pairmine.pipeline.config import load_config
 
     cfg = load_config(overrides=[f"storage.secret_access_key={S3_SECRET}", "storage.access_key_id=AKIAEXAMPLE"])
     assert S3_SECRET not in json.dumps(cfg.to_dict()) and "AKIAEXAMPLE" not in json.dumps(cfg.to_dict())
@@ -114,7 +114,7 @@ def eight_shards(tmp_path_factory, sample_dir):
 def mine_cmd(inp, o: Out, run_id: str, model: str, *extra: str, endpoint_in_config: bool = True) -> list[str]:
     """``pairmine mine`` into ``o`` with the tiny model; the S3 endpoint as ``--set storage.endpoint_url`` unless
     ``endpoint_in_config`` is off (the caller then sets AWS_ENDPOINT_URL)."""
-    args = [sys.executable, "-m", "pipeline.cli", "mine", "--input", str(inp), "--output", o.root, "--run-id", run_id,
+    args = [sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--input", str(inp), "--output", o.root, "--run-id", run_id,
             "--set", f"embed.model={model}"]
     for item in RUN_SET + (o.overrides[1:] if endpoint_in_config else []) + list(extra):
         args += ["--set", item]
@@ -295,7 +295,7 @@ def test_storage_down_fails_clearly_with_the_path(tmp_path):
     from tests.s3server import free_port
 
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "mine", "--output", "s3://nowhere/runs",
+    proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--output", "s3://nowhere/runs",
                            "--set", f"storage.endpoint_url={endpoint}", "--set", "storage.attempts=2",
                            "--set", "storage.backoff_s=0.1", "--set", f"storage.secret_access_key={S3_SECRET}"],
                           capture_output=True, text=True, timeout=300)
@@ -361,8 +361,8 @@ def test_the_same_bytes_uploaded_again_in_other_parts_are_not_mined_again(s3_ser
     import hashlib
     import io
 
-    from pipeline.config import load_config
-    from pipeline.mine import mine
+    from pairmine.pipeline.config import load_config
+    from pairmine.pipeline.mine import mine
 
     o = Out(f"s3://pairmine-test/reupload-{time.time_ns()}", s3_server.endpoint)
     # 12 sample documents and a column of random bytes that nothing reads: a ~13 MB file, uploaded in parts
@@ -407,9 +407,9 @@ def test_output_reads_as_is_with_pyarrow_ray_data_and_pandas(s3_server, ray_loca
     import pyarrow.dataset as pads
     import ray
 
-    from operators.write import GROUP_SCHEMA
-    from pipeline.config import load_config
-    from pipeline.mine import mine
+    from pairmine.operators.write import GROUP_SCHEMA
+    from pairmine.pipeline.config import load_config
+    from pairmine.pipeline.mine import mine
 
     o = Out(f"s3://pairmine-test/readers-{time.time_ns()}", s3_server.endpoint)
     shard = sorted(sample_dir.glob("000_*.parquet"))[0]

@@ -17,10 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from operators.chunk import chunk_text
-from pipeline.config import load_config
-from pipeline.mine import mine
-from pipeline.train import random_positives
+from pairmine.operators.chunk import chunk_text
+from pairmine.pipeline.config import load_config
+from pairmine.pipeline.mine import mine
+from pairmine.pipeline.train import random_positives
 
 STEPS, EVERY = 12, 3
 TRAIN_ARGS = ["--set", "scaling.num_workers=2", "--set", "train.batch_size=8", "--set", f"train.max_steps={STEPS}",
@@ -29,7 +29,7 @@ TRAIN_ARGS = ["--set", "scaling.num_workers=2", "--set", "train.batch_size=8", "
 
 
 def _cli(*args) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", *args]
+    return [sys.executable, "-m", "pairmine.pipeline.cli", *args]
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +132,8 @@ def test_exported_encoder_loads_and_embeds(killed_and_resumed, tiny_e5_dir):
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel
 
-    from operators.embed import Embedder
-    from pipeline.model_description import describe_model
+    from pairmine.operators.embed import Embedder
+    from pairmine.pipeline.model_description import describe_model
 
     out, _, _ = killed_and_resumed
     export = out / "export"
@@ -182,8 +182,8 @@ def test_random_positives_are_other_passages_of_the_same_document():
 def test_model_passes_shapes_on_a_tiny_bert(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from pipeline.xprt import mask_tokens
-    from pipeline.xprt_model import XPRTModel, load_encoder_and_head
+    from pairmine.pipeline.xprt import mask_tokens
+    from pairmine.pipeline.xprt_model import XPRTModel, load_encoder_and_head
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     encoder, head, fresh = load_encoder_and_head(tiny_model_dir)
@@ -206,7 +206,7 @@ def test_model_passes_shapes_on_a_tiny_bert(tiny_model_dir):
     assert out.cross_logits.shape == (n_cross, len(tok)) and out.cross_labels.shape == (n_cross,)
     assert out.self_logits.shape == out.self_teacher.shape == (int(d_ch[: 2 * g].sum()), len(tok))
     # the sentence vectors are mining's: mean pooling of the encoder (here of the masked passes)
-    from operators.embed import mean_pool
+    from pairmine.operators.embed import mean_pool
     with torch.no_grad():
         hidden = encoder(input_ids=e_ids, attention_mask=attn).last_hidden_state
     assert torch.allclose(out.pooled, mean_pool(hidden, attn), atol=1e-5)
@@ -215,7 +215,7 @@ def test_model_passes_shapes_on_a_tiny_bert(tiny_model_dir):
 
     import torch.nn.functional as F
 
-    from pipeline.xprt import retention_kl
+    from pairmine.pipeline.xprt import retention_kl
     frozen = copy.deepcopy(encoder).eval()
     no_mask = torch.zeros_like(e_ch)
     with torch.no_grad():
@@ -293,7 +293,7 @@ def test_train_reads_groups_from_s3_and_writes_checkpoints_and_export_there(tiny
         (local / name).parent.mkdir(parents=True, exist_ok=True)
         (local / name).write_bytes(fs.cat_file(f))
     assert (local / "pairmine_model.json").exists() and (local / "modules.json").exists()
-    from operators.embed import Embedder
+    from pairmine.operators.embed import Embedder
 
     v = Embedder(str(local)).encode(["a passage about rockets", "a passage about cooking"])
     assert v.shape == (2, 64) and np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-4)

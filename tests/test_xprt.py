@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import ConfigError
-from pipeline.train_config import load_train_config
-from pipeline.xprt import (
+from pairmine.pipeline.config import ConfigError
+from pairmine.pipeline.train_config import load_train_config
+from pairmine.pipeline.xprt import (
     info_nce_symmetric, mask_tokens, masked_lm_loss, positive_probability, retention_kl, retention_weight,
     self_distillation_loss, uniformity,
 )
