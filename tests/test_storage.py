@@ -182,6 +182,9 @@ def reference(request, eight_shards, tiny_model_dir, tmp_path_factory):
     return o, groups_of(o, "reference"), o.json("reference", "stats.json")
 
 
+# The S3 twin (~5 minutes) is marked slow for the suite's time: S3's commit path and resume are covered in the default
+# run by test_s3_server_restarted_mid_run and the incremental tests; `pytest -m slow` runs it.
+@pytest.mark.parametrize("reference", ["local", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)
 def test_driver_killed_at_several_points_then_rerun_gives_the_same_groups(reference, eight_shards, tiny_model_dir,
                                                                           tmp_path):
     o, ref, ref_stats = reference
