@@ -126,7 +126,8 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--output", metavar="PATH", required=True, help="folder for checkpoints, metrics.jsonl and "
                    "export/; local or s3://. An existing one is resumed from its latest checkpoint")
     t.add_argument("--positives", choices=("xprt", "random"), help="xprt (default): the positive is s1, the top "
-                   "related passage; random: a random other passage of the same document (the paper's ablation). "
+                   "related passage; random: a random other passage of the same document, drawn from all its passages "
+                   "(re-chunked from the run's input, which must still be there; the paper's ablation). "
                    "Same as train.positives")
     t.add_argument("--model", metavar="MODEL", help="starting encoder (folder or hub id; default: all-MiniLM-L6-v2). "
                    "Same as train.model")

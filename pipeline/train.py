@@ -2,7 +2,7 @@
 (SPEC "Training job (Ray Train)"; seed 000).
 
     driver   check the groups (a committed run folder, the schema), count them, read them with Ray Data (local or
-             s3://), optionally swap in random positives, start a TorchTrainer
+             s3://), optionally swap in random positives (pipeline/positives.py), start a TorchTrainer
     workers  each streams its shard of the groups (Ray Data streaming split), tokenises on the worker, masks
              (seeded), runs the 5 encoder + 10 decoder passes and the frozen model's pass, adds up the terms of
              pipeline/xprt.py, steps AdamW; DDP over gloo (CPU) or nccl (GPU), bf16 autocast on GPU
@@ -31,7 +31,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import numpy as np
 
 from pairmine.pipeline import __version__
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
@@ -137,39 +136,6 @@ def check_group_parts(fs, parts: list[str]) -> tuple[int, int]:
             raise InputError(f"groups part {path} is not a readable parquet file: {str(e).splitlines()[0]}") from None
         total += rows
     return total, n_related
-
-
-def random_positives(batch: dict, seed: int) -> dict:
-    """``--positives random``: for every group of ONE document, a random other passage of that document.
-
-    The groups hold only their anchor and related passages, so the candidates are the passages that appear in any
-    group of the document (every anchor and every related passage, by passage index), minus the group's own anchor.
-    Passages that no group holds (typically the off-topic ones: navigation, widgets) cannot be drawn; the paper's
-    random spans could. Seeded per group (seed + group id): the same groups give the same positives.
-
-    Args:
-        batch: all groups of one document (Ray Data ``map_groups``, pyarrow): group_id, anchor_index, anchor_text,
-            related_indices, related_texts.
-
-    Returns:
-        the batch with a ``positive_text`` column.
-    """
-    import hashlib
-
-    import pyarrow as pa
-
-    col = {name: batch.column(name).to_pylist() for name in
-           ("group_id", "anchor_index", "anchor_text", "related_indices", "related_texts")}
-    passages: dict[int, str] = {}
-    for ai, at, ris, rts in zip(col["anchor_index"], col["anchor_text"], col["related_indices"], col["related_texts"]):
-        passages[ai] = at
-        passages.update(zip(ris, rts))
-    chosen = []
-    for ai, gid in zip(col["anchor_index"], col["group_id"]):
-        others = sorted(i for i in passages if i != ai)  # at least the group's own related passages
-        rng = np.random.default_rng(int(hashlib.sha1(f"{seed}:{gid}".encode()).hexdigest()[:15], 16))
-        chosen.append(passages[others[int(rng.integers(len(others)))]])
-    return batch.append_column("positive_text", pa.array(chosen, pa.string()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -622,9 +588,17 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
     ds = ray.data.read_parquet(parts if "://" in groups else [url(p) for p in parts], columns=columns,
                                **({"filesystem": fs_in} if "://" in groups else {}))
     if cfg.train.positives == "random":
-        seed = cfg.train.seed
-        ds = ds.groupby("doc_id", num_partitions=max(1, min(64, len(parts)))).map_groups(
-            lambda b: random_positives(b, seed), batch_format="pyarrow")
+        from pairmine.pipeline.positives import with_random_positives
+
+        try:
+            with fs_in.open(f"{run_dir}/manifest.json") as f:
+                run_manifest = json.load(f)
+        except (OSError, ValueError) as e:
+            raise InputError(f"groups {groups}: random positives need the run's manifest.json ({e})") from None
+        ds = with_random_positives(ds, run_manifest, storage, cfg.train.seed, max(1, min(64, len(parts))))
+        ds = ds.select_columns(["doc_id", "anchor_text", "related_texts", "positive_text"])
+        log.info("random positives: drawn from all passages of each group's document, re-chunked from the run's "
+                 "%d input file(s)", len(run_manifest.get("inputs") or []))
     else:
         ds = ds.select_columns(["doc_id", "anchor_text", "related_texts"])
     ds = ds.randomize_block_order(seed=cfg.train.seed)

@@ -25,7 +25,8 @@ class TrainSection:
                                     'pairmine_model.json, else "passage: " for E5, else ""), as pairmine mine')
     trust_remote_code: bool = _f(False, "allow model code from the model folder/hub (off unless you trust it)")
     positives: str = _f("xprt", "xprt: the positive is s1, the top related passage (seed 000); random: a random other "
-                        "passage of the same document among those its groups hold (the paper's main ablation)")
+                        "passage of the same document, drawn from all its passages re-chunked from the run's input "
+                        "(the paper's main ablation; SPEC 'Random positives')")
     batch_size: int = _f(64, "groups per optimizer step over all workers (global batch; our default); must divide "
                          "by scaling.num_workers")
     max_length: int = _f(256, "tokens per passage (as pairmine mine's embed.max_length); longer passages are truncated")

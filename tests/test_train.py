@@ -20,7 +20,7 @@ import torch
 from pairmine.operators.chunk import chunk_text
 from pairmine.pipeline.config import load_config
 from pairmine.pipeline.mine import mine
-from pairmine.pipeline.train import random_positives
+from pairmine.pipeline.positives import ROW_SCHEMA, check_inputs_unchanged, draw_random_positives, with_random_positives
 
 STEPS, EVERY = 12, 3
 TRAIN_ARGS = ["--set", "scaling.num_workers=2", "--set", "train.batch_size=8", "--set", f"train.max_steps={STEPS}",
@@ -162,21 +162,35 @@ def test_exported_encoder_loads_and_embeds(killed_and_resumed, tiny_e5_dir):
     assert np.all(np.sum(q * Embedder(str(export), "query: ", dtype="float32").encode(texts), axis=1) > 0.9999)
 
 
-def test_random_positives_are_other_passages_of_the_same_document():
-    batch = pa.table({  # two groups of one document: anchors 0 and 5, passages 0..8 between them
-        "group_id": ["g0", "g1"],
-        "anchor_index": pa.array([0, 5], pa.int32()),
-        "anchor_text": ["p0", "p5"],
-        "related_indices": pa.array([[1, 2, 3, 4], [6, 7, 8, 0]], pa.list_(pa.int32())),
-        "related_texts": [["p1", "p2", "p3", "p4"], ["p6", "p7", "p8", "p0"]],
-    })
-    out = random_positives(batch, seed=0).column("positive_text").to_pylist()
-    doc = {f"p{i}" for i in range(9)}
-    assert [p in doc for p in out] == [True, True]
-    assert out[0] != "p0" and out[1] != "p5"  # never the group's own anchor
-    assert random_positives(batch, seed=0).column("positive_text").to_pylist() == out  # seeded
-    draws = {random_positives(batch, seed=s).column("positive_text")[0].as_py() for s in range(60)}
-    assert draws == doc - {"p0"}  # any passage of the document's groups, also ones outside this group
+def _doc_rows(groups: list[tuple[str, int, list[int]]], passages_lists: list[list[str]]) -> pa.Table:
+    """ROW_SCHEMA rows of document "d": its groups (id, anchor index, related indices over p0..p9) and its
+    re-chunked passage lists."""
+    rows = [{"doc_id": "d", "group_id": g, "anchor_index": a, "anchor_text": f"p{a}", "related_indices": r,
+             "related_texts": [f"p{i}" for i in r], "passages": None} for g, a, r in groups]
+    rows += [{"doc_id": "d", "group_id": None, "anchor_index": None, "anchor_text": None, "related_indices": None,
+              "related_texts": None, "passages": p} for p in passages_lists]
+    return pa.Table.from_pylist(rows, schema=ROW_SCHEMA)
+
+
+def test_random_positives_are_drawn_from_all_passages_of_the_document():
+    doc = [f"p{i}" for i in range(10)]  # p9 is in no group: the paper's random spans could pick it, so must we
+    groups = [("g0", 0, [1, 2, 3, 4]), ("g1", 5, [6, 7, 8, 0])]
+    out = draw_random_positives(_doc_rows(groups, [doc]), seed=0)
+    assert out.column("group_id").to_pylist() == ["g0", "g1"]
+    texts, index = out.column("positive_text").to_pylist(), out.column("positive_index").to_pylist()
+    assert texts == [doc[i] for i in index] and texts[0] != "p0" and texts[1] != "p5"  # never the group's anchor
+    assert draw_random_positives(_doc_rows(groups, [doc]), seed=0).equals(out)  # seeded per group
+    draws = {draw_random_positives(_doc_rows(groups, [doc]), seed=s).column("positive_text")[0].as_py()
+             for s in range(80)}
+    assert draws == set(doc) - {"p0"}  # uniform over the document's other passages, p9 included
+    # An id the input holds twice (mining kept the copy whose passages agree with the groups): that copy is used.
+    other_copy = [f"x{i}" for i in range(12)]
+    assert draw_random_positives(_doc_rows(groups, [other_copy, doc]), seed=0).equals(out)
+    # No copy agrees (the file changed in place): the passages the groups hold, index -1.
+    fallback = draw_random_positives(_doc_rows(groups, [other_copy]), seed=0)
+    assert fallback.column("positive_index").to_pylist() == [-1, -1]
+    assert all(t in {f"p{i}" for i in range(9)} for t in fallback.column("positive_text").to_pylist())
+    assert draw_random_positives(_doc_rows([], [doc]), seed=0).num_rows == 0  # a document without groups
 
 
 def test_model_passes_shapes_on_a_tiny_bert(tiny_model_dir):
@@ -227,11 +241,30 @@ def test_model_passes_shapes_on_a_tiny_bert(tiny_model_dir):
 def test_random_positives_through_ray_data(tiny_groups):
     import ray.data  # Ray is up: mining the tiny groups started it (or found the session's)
 
+    from pairmine.operators.read import InputError
+    from pairmine.operators.storage import LOCAL
+
+    manifest = json.loads((tiny_groups / "manifest.json").read_text())
     ds = ray.data.read_parquet(str(tiny_groups / "groups"))
-    rows = ds.groupby("doc_id", num_partitions=2).map_groups(lambda b: random_positives(b, 0),
-                                                            batch_format="pyarrow").take_all()
-    assert len(rows) == ds.count()
-    assert all(r["positive_text"] != r["anchor_text"] for r in rows)
+    rows = with_random_positives(ds, manifest, LOCAL, seed=0, num_partitions=2).take_all()
+    assert sorted(r["group_id"] for r in rows) == sorted(ds.unique("group_id"))  # one row per group, none lost
+    docs = pq.read_table(tiny_groups.parent.parent / "docs.parquet", columns=["id", "text"]).to_pylist()
+    passages = {d["id"]: chunk_text(d["text"]).passages for d in docs}  # the default chunk settings, as mined
+    held: dict[str, set[int]] = {}
+    for r in rows:
+        held.setdefault(r["doc_id"], set()).update([r["anchor_index"], *r["related_indices"]])
+    never_grouped = 0
+    for r in rows:
+        assert r["positive_index"] >= 0 and r["positive_index"] != r["anchor_index"]
+        assert r["positive_text"] == passages[r["doc_id"]][r["positive_index"]]
+        never_grouped += r["positive_index"] not in held[r["doc_id"]]
+    assert never_grouped > 0, "no positive was a passage that no group holds"
+    # An input that changed since mining is refused before any work.
+    changed = [dict(manifest["inputs"][0], size=manifest["inputs"][0]["size"] + 1)]
+    with pytest.raises(InputError, match="changed since it was mined"):
+        check_inputs_unchanged(changed, LOCAL)
+    with pytest.raises(InputError, match="is gone"):
+        check_inputs_unchanged([dict(manifest["inputs"][0], path=str(tiny_groups / "nowhere.parquet"))], LOCAL)
 
 
 @pytest.mark.parametrize("case", ["missing", "no-success", "wrong-schema", "too-few", "bad-positives"])
