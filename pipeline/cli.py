@@ -12,11 +12,11 @@ import textwrap
 from pairmine.pipeline import __version__
 
 
-def _config_reference() -> str:
+def _config_reference(config_cls=None) -> str:
     from pairmine.pipeline.config import MineConfig
 
     lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
-    cfg = MineConfig()
+    cfg = (config_cls or MineConfig)()
     for section in dataclasses.fields(cfg):
         for f in dataclasses.fields(getattr(cfg, section.name)):
             default = getattr(getattr(cfg, section.name), f.name)
@@ -201,9 +201,84 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--pool", metavar="PATH", help="documents (parquet/JSONL with text and id) to draw the pool from, "
                    "chunked like pairmine mine's input (default: the pairs' own passages). Same as consistency.pool_path")
     _common_args(f)
+    _add_negatives_parser(sub)
     _add_train_parser(sub)
     add_eval_commands(sub)
     return parser
+
+
+NEGATIVES_EPILOG = """\
+what it does (seed 004, chapter 3; SPEC "Hard negatives and distillation"):
+  every corpus passage is embedded with the pairs' embedder and indexed with faiss (exact by default); each pair's
+  query retrieves its top negatives.depth (200) passages; the positive, exact duplicates of it (normalised text) and
+  passages of the pair's own document (mine runs) are dropped; negatives come from ranks negatives.rank_start to
+  rank_end (31-200: the top 30 is where unlabelled positives sit), at most negatives.count (7) per pair, optionally
+  only those below the positive's score by negatives.margin or under negatives.relative_margin x that score. Every
+  drop is counted by reason in stats.json. With --teacher, a cross-encoder scores (query, positive) and every
+  (query, negative) once, and the scores are stored beside the negatives.
+
+input: a pairmine mine run folder (query = anchor, positive = s1; its embed settings are used unless embed.model is
+set), a filter-pairs run folder, or parquet/JSONL pairs ([input] query_column, passage_column, pair_id_column).
+corpus: documents (parquet/JSONL; [input] text_column and id_column; chunked with [chunk]) or a mine run folder
+(its input, chunked with that run's settings).
+
+output (<output>/<run_id>/):
+  negatives/part-NNNNN.parquet  one row per usable pair: pair_id, doc_id, query, positive, positive_score,
+                                negatives, negative_ranks (1-based, in the retrieved list), negative_scores,
+                                positive_teacher_score, negative_teacher_scores (null without --teacher), model,
+                                teacher; one part per input shard
+  stats.json, manifest.json (index kind, its recall@depth when approximate), _SUCCESS (written last)
+
+examples:
+  pairmine negatives --input runs/sample --corpus runs/sample --output negatives/
+  pairmine negatives --input pairs.jsonl --corpus corpus/ --teacher /models/ms-marco-MiniLM-L-6-v2
+  pairmine negatives --input runs/big --corpus s3://corpus/docs/ --set negatives.index=hnsw
+
+"""
+
+
+def _add_negatives_parser(sub) -> None:
+    from pairmine.pipeline.config import NegativesConfig
+
+    n = sub.add_parser(
+        "negatives",
+        help="mine hard negatives for training pairs from a corpus (faiss), optionally with teacher scores",
+        description="Hard negatives for (query, positive) pairs: search a corpus with the pairs' embedder (faiss), "
+        "keep negatives from a rank window, optionally score them once with a cross-encoder teacher. Writes one run "
+        "folder like pairmine mine.",
+        epilog=NEGATIVES_EPILOG + _config_reference(NegativesConfig),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    n.add_argument("--input", metavar="RUN_OR_PAIRS", required=True, help="a pairmine mine run folder, a filter-pairs "
+                   "run folder, or a parquet/JSONL file, folder or glob of (query, passage) pairs. Same as input.path")
+    n.add_argument("--corpus", metavar="CORPUS", required=True, help="documents to search (parquet/JSONL file, folder "
+                   "or glob) or a pairmine mine run folder (its input). Same as negatives.corpus")
+    n.add_argument("--output", metavar="DIR", help="folder that receives the run folder (default: ./runs). Same as "
+                   "output.path")
+    n.add_argument("--teacher", metavar="MODEL", help="cross-encoder (HuggingFace sequence classification, one "
+                   "output) scoring the positive and every negative. Same as negatives.teacher")
+    _common_args(n)
+
+
+def cmd_negatives(args) -> int:
+    from pairmine.pipeline.config import load_negatives_config
+    from pairmine.pipeline.negatives import negatives
+
+    overrides = list(args.overrides)
+    for flag, key in ((args.input, "input.path"), (args.corpus, "negatives.corpus"), (args.output, "output.path"),
+                      (args.run_id, "output.run_id"), (args.ray_address, "ray.address"),
+                      (args.teacher, "negatives.teacher")):
+        if flag:
+            overrides.append(f"{key}={flag}")
+    result = negatives(load_negatives_config(args.config, overrides))
+    s = result.stats
+    drops = ", ".join(f"{k} {v}" for k, v in s["negatives_dropped"].items() if v)
+    print(f"run folder: {result.run_dir}\n"
+          f"pairs: {s['pairs_in']} in, {s['pairs_out']} with negatives searched, {sum(s['pairs_skipped'].values())} "
+          f"skipped; negatives: {s['negatives']} ({s['negatives_per_pair']} per pair, {s['pairs_without_negatives']} "
+          f"pairs without any)\ncandidates retrieved: {s['candidates_retrieved']} from {s['corpus_passages']} corpus "
+          f"passages, {s['index']}; not kept: {drops or 'none'}")
+    return 0
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
@@ -525,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_mine(args)
         if args.command == "filter-pairs":
             return cmd_filter_pairs(args)
+        if args.command == "negatives":
+            return cmd_negatives(args)
         if args.command == "train":
             return cmd_train(args)
         if args.command in EVAL_COMMANDS:

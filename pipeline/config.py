@@ -140,6 +140,31 @@ class RayConfig:
                                 "bounded memory) instead of waiting for whole row groups")
 
 
+@dataclass
+class NegativesSection:
+    corpus: str = _f("", "pairmine negatives: the corpus to search (--corpus): documents (parquet/JSONL, chunked like "
+                     "mine's input with [input] text/id columns and [chunk]) or a pairmine mine run folder (its input, "
+                     "chunked with its own settings)")
+    depth: int = _f(200, "candidates retrieved per query (seed 004: 'the top few hundred')")
+    rank_start: int = _f(31, "first rank (1-based, in the retrieved list) a negative may come from: the top 30 are "
+                         "skipped, where most unlabelled positives sit (seed 004: ~4 of ~6 in the top 30)")
+    rank_end: int = _f(200, "last rank a negative may come from (seed 004: ranks 31-200)")
+    count: int = _f(7, "negatives kept per pair, the highest-ranked eligible ones (seed 004's H = 7 with G = 64)")
+    margin: float | None = _f(None, "drop candidates scoring above positive_score - margin (absolute); None: off")
+    relative_margin: float | None = _f(None, "drop candidates scoring above relative_margin * positive_score "
+                                       "(e.g. 0.95); None: off")
+    index: str = _f("flat", "flat: exact search (faiss IndexFlatIP); ivf: IVF (nlist = 4 sqrt(N), nprobe below); "
+                    "hnsw: HNSW (M 32). Approximate indexes have their recall against exact search measured and logged")
+    nprobe: int = _f(32, "ivf: lists searched per query")
+    ef_search: int = _f(256, "hnsw: candidate list size at search time (>= depth)")
+    recall_probes: int = _f(256, "approximate indexes: corpus passages used as probe queries to measure recall@depth "
+                            "against exact search")
+    teacher: str = _f("", "cross-encoder teacher (--teacher; folder or hub id, one output logit) scoring (query, "
+                      "positive) and every (query, negative) once; empty: no teacher scores")
+    teacher_max_length: int = _f(512, "tokens per (query, passage) pair given to the teacher")
+    teacher_batch_size: int = _f(32, "pairs per teacher forward pass")
+
+
 class Sections:
     """Access by dotted name (``section.key``) for a config made of section dataclasses; shared by
     :class:`MineConfig` and the training config (``pipeline.train_config.TrainConfig``)."""
@@ -270,6 +295,44 @@ class MineConfig(Sections):
         ]
         self.check(checks)
         return self
+
+
+@dataclass
+class NegativesConfig(MineConfig):
+    """The config of ``pairmine negatives``: mine's sections (input columns, chunk, embed, storage, ray, output) plus
+    ``[negatives]`` (:class:`NegativesSection`)."""
+
+    negatives: NegativesSection = field(default_factory=NegativesSection)
+
+    def validate(self) -> "NegativesConfig":
+        """Mine's checks plus the ``[negatives]`` ranges. Raises ConfigError naming the field."""
+        super().validate()
+        n = self.negatives
+        self.check([
+            ("negatives.depth", n.depth >= 1, ">= 1"),
+            ("negatives.rank_start", 1 <= n.rank_start <= n.depth, "between 1 and negatives.depth"),
+            ("negatives.rank_end", n.rank_start <= n.rank_end <= n.depth, "between negatives.rank_start and "
+             "negatives.depth"),
+            ("negatives.count", n.count >= 1, ">= 1"),
+            ("negatives.margin", n.margin is None or n.margin >= 0, ">= 0 or none"),
+            ("negatives.relative_margin", n.relative_margin is None or n.relative_margin > 0, "> 0 or none"),
+            ("negatives.index", n.index in ("flat", "ivf", "hnsw"), "one of flat, ivf, hnsw"),
+            ("negatives.nprobe", n.nprobe >= 1, ">= 1"),
+            ("negatives.ef_search", n.ef_search >= n.depth, ">= negatives.depth"),
+            ("negatives.recall_probes", n.recall_probes >= 1, ">= 1"),
+            ("negatives.teacher_max_length", n.teacher_max_length >= 8, ">= 8"),
+            ("negatives.teacher_batch_size", n.teacher_batch_size >= 1, ">= 1"),
+        ])
+        return self
+
+
+def load_negatives_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> NegativesConfig:
+    """A validated :class:`NegativesConfig` from defaults, an optional TOML file and ``key=value`` overrides.
+
+    Raises:
+        ConfigError: unreadable file, unknown section or key, bad value (the message names the field).
+    """
+    return apply_file_and_overrides(NegativesConfig(), path, overrides).validate()
 
 
 def describe_configured_model(model: str, key: str):

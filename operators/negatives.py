@@ -1,0 +1,332 @@
+"""Stages of ``pairmine negatives``: hard negatives for (query, positive) pairs from a corpus (seed 004, chapter 3;
+SPEC "Hard negatives and distillation").
+
+read pairs -> embed (query prefix / passage prefix) -> search the corpus index (faiss) and select the negatives from
+a rank window -> optional cross-encoder teacher scores -> write.
+
+Why a rank window: retrieval sets are sparsely labelled, and a good retriever puts the unlabelled relevant passages
+at the top of its list, so the top ranks are mostly false negatives (seed 004: of ~6 unlabelled relevant passages
+per query, ~4 land in the top 30 and ~2 more in ranks 31-200). Negatives are therefore taken from ranks
+``rank_start..rank_end`` of the retrieved list, after dropping the positive and exact duplicates of it, passages of
+the pair's own document, and optionally candidates too close to the positive's score.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pairmine.operators.chunk import normalise_passage
+from pairmine.operators.consistency import doc_hash
+from pairmine.operators.read import open_input
+from pairmine.operators.storage import LOCAL, Storage
+
+# Why a retrieved candidate is not kept as a negative; each count goes to stats.json (negatives_dropped).
+DROP_REASONS = ("positive_duplicate", "same_document", "before_window", "after_window", "above_margin",
+                "above_relative_margin", "beyond_count")
+
+NEGATIVES_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("pair_id", pa.string()),
+        ("doc_id", pa.string()),  # the pair's document (mine runs); null for plain pairs
+        ("query", pa.string()),
+        ("positive", pa.string()),
+        ("positive_score", pa.float32()),  # cos(query, positive)
+        ("negatives", pa.list_(pa.string())),
+        ("negative_ranks", pa.list_(pa.int32())),  # 1-based rank in the retrieved list (before any drop)
+        ("negative_scores", pa.list_(pa.float32())),  # cos(query, negative) as the index returned it
+        ("positive_teacher_score", pa.float32()),  # the cross-encoder's logit; null without --teacher
+        ("negative_teacher_scores", pa.list_(pa.float32())),
+        ("model", pa.string()),
+        ("teacher", pa.string()),
+    ]
+)
+
+
+def select_negatives(ids: np.ndarray, scores: np.ndarray, text_hashes: np.ndarray, doc_hashes: np.ndarray,
+                     positive_text_hash: int, positive_doc_hash: int | None, positive_score: float, rank_start: int,
+                     rank_end: int, count: int, margin: float | None = None, relative_margin: float | None = None
+                     ) -> tuple[list[int], Counter]:
+    """The negatives of one query from its retrieved list.
+
+    Args:
+        ids: (depth,) corpus rows retrieved, best first (-1: no result, as faiss pads).
+        scores: (depth,) their cosines with the query.
+        text_hashes, doc_hashes: (corpus,) per corpus row: ``doc_hash`` of the normalised text
+            (:func:`operators.chunk.normalise_passage`) and of the document id.
+        positive_text_hash: the same hash of the pair's positive; positive_doc_hash: of its document id, or None.
+        positive_score: cos(query, positive).
+        rank_start, rank_end: the window of 1-based ranks (in the retrieved list, before any drop) to keep from.
+        count: most negatives kept (the highest-ranked eligible ones).
+        margin: drop candidates scoring above ``positive_score - margin`` (absolute margin); None: off.
+        relative_margin: drop candidates scoring above ``relative_margin * positive_score``; None: off.
+
+    Returns:
+        (positions in ``ids`` of the kept negatives, best first; Counter of :data:`DROP_REASONS`). Every retrieved
+        candidate is either kept or counted under exactly one reason (checked in that order).
+    """
+    kept, drops = [], Counter()
+    for pos, (row, score) in enumerate(zip(ids.tolist(), scores.tolist())):
+        if row < 0:
+            continue
+        rank = pos + 1
+        if text_hashes[row] == positive_text_hash:
+            drops["positive_duplicate"] += 1
+        elif positive_doc_hash is not None and doc_hashes[row] == positive_doc_hash:
+            drops["same_document"] += 1
+        elif rank < rank_start:
+            drops["before_window"] += 1
+        elif rank > rank_end:
+            drops["after_window"] += 1
+        elif margin is not None and score > positive_score - margin:
+            drops["above_margin"] += 1
+        elif relative_margin is not None and score > relative_margin * positive_score:
+            drops["above_relative_margin"] += 1
+        elif len(kept) >= count:
+            drops["beyond_count"] += 1
+        else:
+            kept.append(pos)
+    return kept, drops
+
+
+def text_hash(text: str) -> int:
+    """The identity of a passage for "exact duplicate of the positive": ``doc_hash`` of its normalised form."""
+    return doc_hash(normalise_passage(text))
+
+
+class ReadGroupPairs:
+    """Read operator for a ``pairmine mine`` run as input: work units over its ``groups/`` parts -> one pair per
+    group: ``pair_id`` (group id), ``doc_id``, ``query`` (the anchor), ``passage`` (s1, the top related passage),
+    ``skip_reason`` (null), ``text_repaired`` (False), ``shard_index``, ``row_index``."""
+
+    def __init__(self, storage: Storage = LOCAL):
+        self.storage = storage
+
+    def __call__(self, units: pa.Table) -> pa.Table:
+        tables = []
+        for u in units.to_pylist():
+            def read(path=u["path"], rg=u["row_group"]) -> pa.Table:
+                with open_input(path, self.storage) as f:
+                    return pq.ParquetFile(f).read_row_group(rg, columns=["group_id", "doc_id", "anchor_text",
+                                                                          "related_texts"])
+
+            t = self.storage.retry("read", u["path"], read)
+            n = t.num_rows
+            tables.append(pa.table({
+                "shard_index": pa.array(np.full(n, u["shard_index"], np.int32)),
+                "row_index": pa.array(np.arange(u["row_offset"], u["row_offset"] + n, dtype=np.int64)),
+                "pair_id": t.column("group_id"), "doc_id": t.column("doc_id"), "query": t.column("anchor_text"),
+                "passage": pc.list_element(t.column("related_texts"), 0),
+                "skip_reason": pa.nulls(n, pa.string()), "text_repaired": pa.array(np.zeros(n, bool)),
+            }))
+        return pa.concat_tables(tables)
+
+
+def load_index(blob: np.ndarray):
+    """A faiss index from :func:`faiss.serialize_index` bytes (uint8 array)."""
+    import faiss
+
+    return faiss.deserialize_index(blob)
+
+
+class SearchNegatives:
+    """Search operator: the corpus index's top ``depth`` for every usable pair's query, then
+    :func:`select_negatives`. Adds ``positive_score``, ``negatives``, ``negative_ranks``, ``negative_scores`` and a
+    JSON ``drops`` column (the batch's Counter of drop reasons, on its first row).
+
+    Args:
+        load_corpus: callable -> (index bytes (uint8 array), text hashes (N,) int64, doc hashes (N,) int64,
+            corpus texts (pa.StringArray, N)), called once per actor (Ray's object store shares it).
+        depth: candidates retrieved per query.
+        rank_start, rank_end, count, margin, relative_margin: as :func:`select_negatives`.
+        threads: faiss OpenMP threads (0: faiss's default).
+    """
+
+    def __init__(self, load_corpus, depth: int = 200, rank_start: int = 31, rank_end: int = 200, count: int = 7,
+                 margin: float | None = None, relative_margin: float | None = None, threads: int = 0):
+        self.load_corpus, self.depth = load_corpus, depth
+        self.window = dict(rank_start=rank_start, rank_end=rank_end, count=count, margin=margin,
+                           relative_margin=relative_margin)
+        self.threads = threads
+        self._corpus = None
+
+    def corpus(self):
+        if self._corpus is None:
+            import faiss
+
+            if self.threads:
+                faiss.omp_set_num_threads(self.threads)
+            blob, text_hashes, doc_hashes, texts = self.load_corpus()
+            self._corpus = (load_index(blob), text_hashes, doc_hashes, texts)
+        return self._corpus
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        index, text_hashes, doc_hashes, texts = self.corpus()
+        ok = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
+        rows = np.flatnonzero(ok)
+        n = batch.num_rows
+        pos_score = np.full(n, np.nan, np.float32)
+        negs: list = [None] * n
+        ranks: list = [None] * n
+        scores: list = [None] * n
+        drops = Counter()
+        if len(rows) and index.ntotal:
+            q = _matrix(batch.column("query_vector"))[rows]  # (usable, dim)
+            p = _matrix(batch.column("passage_vector"))[rows]  # (usable, dim)
+            found_scores, found_ids = index.search(np.ascontiguousarray(q, np.float32), min(self.depth, index.ntotal))
+            positives = batch.column("passage").to_pylist()
+            doc_ids = batch.column("doc_id").to_pylist() if "doc_id" in batch.column_names else [None] * n
+            for k, r in enumerate(rows.tolist()):
+                s = float(np.dot(q[k], p[k]))
+                pos_score[r] = s
+                kept, d = select_negatives(found_ids[k], found_scores[k], text_hashes, doc_hashes,
+                                           text_hash(positives[r]),
+                                           None if doc_ids[r] is None else doc_hash(doc_ids[r]), s, **self.window)
+                drops.update(d)
+                ids = found_ids[k][kept]
+                negs[r] = texts.take(pa.array(ids, pa.int64())).to_pylist()
+                ranks[r] = [int(x) + 1 for x in kept]
+                scores[r] = found_scores[k][kept].astype(np.float32).tolist()
+        elif len(rows):
+            q, p = _matrix(batch.column("query_vector"))[rows], _matrix(batch.column("passage_vector"))[rows]
+            pos_score[rows] = np.sum(q * p, axis=1)
+            for r in rows.tolist():
+                negs[r], ranks[r], scores[r] = [], [], []
+        out = batch.drop_columns(["query_vector", "passage_vector"])
+        out = out.append_column("positive_score", pa.array(pos_score, mask=~ok))
+        out = out.append_column("negatives", pa.array(negs, pa.list_(pa.string())))
+        out = out.append_column("negative_ranks", pa.array(ranks, pa.list_(pa.int32())))
+        out = out.append_column("negative_scores", pa.array(scores, pa.list_(pa.float32())))
+        return out.append_column("drops", pa.array([json.dumps(dict(drops))] + [None] * (n - 1), pa.string()))
+
+
+def _matrix(column) -> np.ndarray:
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    return arr.flatten().to_numpy(zero_copy_only=False).reshape(len(arr), arr.type.list_size)
+
+
+class TeacherScores:
+    """Teacher operator: a cross-encoder (any HuggingFace sequence-classification model with one output, e.g. the
+    ms-marco MiniLM or bge rerankers) scores (query, positive) and every (query, negative) once, offline (seed 004:
+    the teacher never runs during training). Adds ``positive_teacher_score`` (float32) and
+    ``negative_teacher_scores`` (list<float32>): the model's logits.
+
+    Args:
+        model: folder or hub id. max_length: tokens per (query, passage) pair. batch_size: pairs per forward pass.
+        device: cpu | cuda. threads: torch CPU threads (0: leave torch's default).
+
+    Raises:
+        ValueError: the model has more than one output (a classifier, not a relevance scorer).
+    """
+
+    def __init__(self, model: str, max_length: int = 512, batch_size: int = 32, device: str = "cpu",
+                 threads: int = 0):
+        self.model_path, self.max_length, self.batch_size = model, max_length, batch_size
+        self.device, self.threads = device, threads
+        self.model = None
+
+    def setup(self) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(self.model_path).to(self.device).eval()
+        if self.model.config.num_labels != 1:
+            raise ValueError(f"teacher {self.model_path} has {self.model.config.num_labels} outputs; a cross-encoder "
+                             "teacher gives one relevance logit per (query, passage) pair")
+
+    def score(self, queries: list[str], passages: list[str]) -> np.ndarray:
+        """(n,) float32 logits of the (query, passage) pairs."""
+        import torch
+
+        if self.model is None:
+            self.setup()
+        out = []
+        with torch.inference_mode():
+            for i in range(0, len(queries), self.batch_size):
+                enc = self.tokenizer(queries[i:i + self.batch_size], passages[i:i + self.batch_size], padding=True,
+                                     truncation=True, max_length=self.max_length, return_tensors="pt").to(self.device)
+                out.append(self.model(**enc).logits[:, 0].float().cpu().numpy())
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        queries, positives = batch.column("query").to_pylist(), batch.column("passage").to_pylist()
+        negatives = batch.column("negatives").to_pylist()
+        qs, ps, owner = [], [], []
+        for r, (q, p, ns) in enumerate(zip(queries, positives, negatives)):
+            if ns is None:
+                continue
+            for text in [p, *ns]:
+                qs.append(q), ps.append(text), owner.append(r)
+        logits = self.score(qs, ps)
+        pos = [None] * batch.num_rows
+        neg: list = [None] * batch.num_rows
+        k = 0
+        for r, ns in enumerate(negatives):
+            if ns is None:
+                continue
+            pos[r] = float(logits[k])
+            neg[r] = logits[k + 1:k + 1 + len(ns)].tolist()
+            k += 1 + len(ns)
+        return batch.append_column("positive_teacher_score", pa.array(pos, pa.float32())) \
+            .append_column("negative_teacher_scores", pa.array(neg, pa.list_(pa.float32())))
+
+
+class NegativesWriter:
+    """Write operator: stages every usable pair with its negatives per input shard (``NEGATIVES_SCHEMA`` plus the
+    staging sort column) and returns one row per batch with the batch's counts as JSON (``stats``)."""
+
+    def __init__(self, staging_dir: str, run_id: str, model: str, teacher: str, storage: Storage = LOCAL):
+        self.staging_dir, self.run_id, self.model, self.teacher = staging_dir.rstrip("/"), run_id, model, teacher
+        self.storage = storage
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from pairmine.operators.write import STAGING_SORT_COLUMN, staging_name, write_table_atomic
+
+        stats = Counter()
+        stats["pairs_in"] = batch.num_rows
+        for r in batch.column("skip_reason").to_pylist():
+            if r is not None:
+                stats[f"pairs_skipped.{r}"] += 1
+        for d in batch.column("drops").to_pylist():
+            if d:
+                stats.update({f"negatives_dropped.{k}": v for k, v in json.loads(d).items()})
+        usable = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
+        part = batch.filter(pa.array(usable))
+        counts = pc.list_value_length(part.column("negatives")).to_numpy(zero_copy_only=False) if part.num_rows else []
+        stats["pairs_out"] = part.num_rows
+        stats["negatives"] = int(np.sum(counts))
+        stats["pairs_without_negatives"] = int(np.sum(np.asarray(counts) == 0))
+        staged = []
+        if part.num_rows:
+            m = part.num_rows
+            has_teacher = "positive_teacher_score" in part.column_names
+            table = pa.table({
+                "run_id": pa.array([self.run_id] * m, pa.string()), "pair_id": part.column("pair_id"),
+                "doc_id": part.column("doc_id") if "doc_id" in part.column_names else pa.nulls(m, pa.string()),
+                "query": part.column("query"), "positive": part.column("passage"),
+                "positive_score": part.column("positive_score"), "negatives": part.column("negatives"),
+                "negative_ranks": part.column("negative_ranks"), "negative_scores": part.column("negative_scores"),
+                "positive_teacher_score": part.column("positive_teacher_score") if has_teacher
+                else pa.nulls(m, pa.float32()),
+                "negative_teacher_scores": part.column("negative_teacher_scores") if has_teacher
+                else pa.nulls(m, pa.list_(pa.float32())),
+                "model": pa.array([self.model] * m, pa.string()),
+                "teacher": pa.array([self.teacher or None] * m, pa.string()),
+                STAGING_SORT_COLUMN: part.column("row_index"),
+            })
+            shards = part.column("shard_index").to_numpy()
+            for shard in np.unique(shards):
+                piece = table.filter(pa.array(shards == shard))
+                name = staging_name(int(shard), piece.column(STAGING_SORT_COLUMN).to_numpy())
+                write_table_atomic(self.storage, piece, f"{self.staging_dir}/negatives/{name}")
+                staged.append(f"negatives/{name}")
+        return pa.table({"staged": pa.array([staged], pa.list_(pa.string())), "stats": [json.dumps(dict(stats))]})

@@ -1,0 +1,407 @@
+"""``pairmine negatives``: hard negatives for training pairs, searched in a corpus with faiss, optionally scored once
+by a cross-encoder teacher (seed 004, chapter 3: E5's second stage; SPEC "Hard negatives and distillation").
+
+    plan     the pairs: a ``pairmine mine`` run (anchor -> s1, with its document id), a ``filter-pairs`` run, or any
+             parquet/JSONL of (query, passage); the corpus: documents chunked like mine's input, or a mine run's
+             input chunked with that run's settings
+    corpus   every corpus passage is chunked (Ray tasks, one per file) and embedded with the pairs' embedder (same
+             model, passage prefix, dtype; a mine run's own embed settings unless embed.model is set), and indexed
+             with faiss once: exact IndexFlatIP by default, IVF or HNSW as options (their recall@depth against exact
+             search measured on probe passages and logged); the index goes to Ray's object store, shared by the
+             search actors
+    read -> embed (query prefix / passage prefix) -> search + rank window -> [teacher] -> write (staging)
+    commit   one part per input shard, stats.json (drop reasons counted), manifest.json, _SUCCESS last
+
+Run folder layout: ``negatives/part-NNNNN.parquet`` (``operators.negatives.NEGATIVES_SCHEMA``), ``stats.json``,
+``manifest.json``, ``_SUCCESS``. The corpus vectors and texts live in the driver while the run lasts (N x dim x 4
+bytes plus the texts): a corpus too large for one machine's memory is not supported yet.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import math
+import platform
+import time
+from functools import partial
+
+import numpy as np
+import pyarrow as pa
+
+from pairmine.operators.read import InputError
+from pairmine.pipeline.config import ConfigError, NegativesConfig
+from pairmine.pipeline.inputs import PoolSpec, Shard, check_parquet_shards, discover_shards, scan_shard
+from pairmine.pipeline.mine import (
+    MineResult, Progress, RunExistsError, _load_pool, _shard_dict, check_model, embed_pool, merge_stats, model_id,
+    new_run_id, write_json,
+)
+from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
+from pairmine.pipeline.ray_adapter import Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote, watched
+
+log = logging.getLogger("pairmine")
+
+ALL_PASSAGES = 1 << 62  # a "pool" as large as the corpus: every passage of every usable document
+
+
+def _run_manifest(path: str, storage) -> dict | None:
+    """The manifest of a committed pairmine run folder at ``path``, or None when ``path`` is not one."""
+    path = path.rstrip("/")
+    if (storage.info(path) or {}).get("type") != "directory":
+        return None
+    if not storage.exists(f"{path}/{SUCCESS_MARKER}") or not storage.exists(f"{path}/manifest.json"):
+        return None
+    return json.loads(storage.read_bytes(f"{path}/manifest.json"))
+
+
+def _layout(shard: Shard, storage) -> list[int]:
+    """Rows per parquet row group of a shard (one entry for JSONL, counted by reading it)."""
+    import pyarrow.parquet as pq
+
+    from pairmine.operators.read import open_input, read_jsonl_records
+
+    if shard.format != "parquet":
+        return [len(read_jsonl_records(shard.path, storage))]
+
+    def footer():
+        with open_input(shard.path, storage) as f:
+            meta = pq.ParquetFile(f).metadata
+            return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+    return storage.retry("read", shard.path, footer)
+
+
+def resolve_input(cfg: NegativesConfig, storage) -> tuple[str, list[Shard]]:
+    """What ``--input`` is and its shards: ("groups", a mine run's parts), ("pairs", a filter-pairs run's parts: its
+    query/passage/pair_id columns) or ("pairs", plain parquet/JSONL with [input] query/passage/pair_id columns).
+    A mine run's embed settings become the config's when ``embed.model`` is not set (same model, prefixes, dtype).
+
+    Raises:
+        ConfigError: no --input. FileNotFoundError, InputError, MissingColumnError: as :func:`discover_shards`.
+    """
+    if not cfg.input.path:
+        raise ConfigError("negatives needs --input: a pairmine mine run, a filter-pairs run, or parquet/JSONL pairs")
+    run = _run_manifest(cfg.input.path, storage)
+    root = cfg.input.path.rstrip("/")
+    if run is not None and storage.exists(f"{root}/groups"):
+        embed = (run.get("config") or {}).get("embed") or {}
+        if not cfg.embed.model and embed.get("model"):
+            for key in ("model", "passage_prefix", "query_prefix", "max_length", "dtype", "trust_remote_code"):
+                if key in embed:
+                    cfg.set(f"embed.{key}", embed[key])
+            log.info("embedding with the run's own embed settings: %s", embed.get("model"))
+        shards = discover_shards(f"{root}/groups", "parquet", storage)
+        check_parquet_shards(shards, ("anchor_text", "group_id", "doc_id"), storage)
+        return "groups", shards
+    if run is not None and storage.exists(f"{root}/pairs"):
+        cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column = "query", "passage", "pair_id"
+        root = f"{root}/pairs"
+    shards = discover_shards(root if run is not None else cfg.input.path, cfg.input.format, storage)
+    check_parquet_shards(shards, (cfg.input.query_column, cfg.input.passage_column), storage,
+                         text_columns=(cfg.input.query_column, cfg.input.passage_column))
+    return "pairs", shards
+
+
+def resolve_corpus(cfg: NegativesConfig, storage) -> tuple[list[Shard], str, str, PoolSpec]:
+    """The corpus documents: (shards, text column, id column, chunking as a PoolSpec that takes every passage).
+    A mine run folder stands for its input, chunked with that run's settings.
+
+    Raises:
+        ConfigError: no corpus. FileNotFoundError: the corpus does not exist.
+    """
+    n = cfg.negatives
+    if not n.corpus:
+        raise ConfigError("negatives needs --corpus: documents (parquet/JSONL) or a pairmine mine run folder")
+    run = _run_manifest(n.corpus, storage)
+    if run is not None and run.get("inputs"):
+        config = run.get("config") or {}
+        ic, cc = config.get("input") or {}, config.get("chunk") or {}
+        shards = [Shard(index=i, path=r["path"], format=r["format"], size=int(r.get("size", 0)),
+                        fingerprint=r.get("fingerprint", "")) for i, r in enumerate(run["inputs"])]
+        spec = PoolSpec(ALL_PASSAGES, 0, 1.0, 0, cc.get("max_words", 120), cc.get("min_words", 5),
+                        cc.get("max_passages", 256), hash_by="doc")
+        return shards, ic.get("text_column", "text"), ic.get("id_column", "id"), spec
+    try:
+        shards = discover_shards(n.corpus, "auto", storage)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"negatives.corpus (--corpus): {e}") from None
+    check_parquet_shards(shards, (cfg.input.text_column, cfg.input.id_column), storage)
+    spec = PoolSpec(ALL_PASSAGES, 0, 1.0, 0, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages,
+                    hash_by="doc")
+    return shards, cfg.input.text_column, cfg.input.id_column, spec
+
+
+def build_index(vectors: np.ndarray, kind: str, nprobe: int = 32, ef_search: int = 256):
+    """A faiss inner-product index over ``vectors`` (N, dim) float32, unit-normalised (so scores are cosines).
+
+    ``flat``: exact (IndexFlatIP). ``ivf``: IndexIVFFlat with nlist = 4 sqrt(N) (faiss's rule of thumb, at least 1,
+    at most N / 39 so that every list trains on 39 points), ``nprobe`` lists searched. ``hnsw``: IndexHNSWFlat, M 32,
+    ``efSearch`` = ef_search.
+
+    Returns:
+        (index, description in words).
+    """
+    import faiss
+
+    n, dim = vectors.shape
+    if kind == "flat" or n < 2:
+        index = faiss.IndexFlatIP(dim)
+        index.add(vectors)
+        return index, "exact (faiss IndexFlatIP)"
+    if kind == "ivf":
+        nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        index.train(vectors)
+        index.add(vectors)
+        index.nprobe = min(nprobe, nlist)
+        return index, f"approximate (faiss IndexIVFFlat, nlist {nlist}, nprobe {index.nprobe})"
+    index = faiss.IndexHNSWFlat(dim, 32, faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efSearch = ef_search
+    index.add(vectors)
+    return index, f"approximate (faiss IndexHNSWFlat, M 32, efSearch {ef_search})"
+
+
+def measure_recall(index, vectors: np.ndarray, depth: int, probes: int, seed: int = 0) -> float:
+    """recall@depth of ``index`` against exact search: the share of the exact top ``depth`` that ``index`` also
+    returns, averaged over ``probes`` corpus vectors used as queries (seeded)."""
+    import faiss
+
+    n, dim = vectors.shape
+    depth = min(depth, n)
+    rows = np.random.default_rng(seed).choice(n, size=min(probes, n), replace=False)
+    queries = np.ascontiguousarray(vectors[rows])
+    exact = faiss.IndexFlatIP(dim)
+    exact.add(vectors)
+    _, truth = exact.search(queries, depth)
+    _, found = index.search(queries, depth)
+    return float(np.mean([len(set(t.tolist()) & set(f.tolist())) / depth for t, f in zip(truth, found)]))
+
+
+def _make_read(cfg: NegativesConfig, kind: str):
+    from pairmine.operators.negatives import ReadGroupPairs
+    from pairmine.operators.pairs import ReadPairs
+
+    if kind == "groups":
+        return ReadGroupPairs(cfg.storage_layer())
+    return ReadPairs(cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column, cfg.storage_layer())
+
+
+def _make_embed(cfg: NegativesConfig, threads: int, device: str):
+    from pairmine.operators.pairs import EmbedPairs
+
+    e = cfg.embed
+    return EmbedPairs(cfg.resolved_query_prefix(), model=e.model, passage_prefix=cfg.resolved_prefix(),
+                      max_length=e.max_length, batch_size=e.batch_size, dtype=e.dtype, device=device, threads=threads,
+                      trust_remote_code=e.trust_remote_code)
+
+
+def _make_corpus_embed(cfg: NegativesConfig, threads: int, device: str):
+    from pairmine.operators.embed import Embedder
+
+    e = cfg.embed
+    return Embedder(e.model, cfg.resolved_prefix(), e.max_length, e.batch_size, e.dtype, device, threads,
+                    e.trust_remote_code)
+
+
+def _make_search(corpus_ref, cfg: NegativesConfig, threads: int):
+    from pairmine.operators.negatives import SearchNegatives
+
+    n = cfg.negatives
+    return SearchNegatives(partial(_load_pool, corpus_ref), n.depth, n.rank_start, n.rank_end, n.count, n.margin,
+                           n.relative_margin, threads)
+
+
+def _make_teacher(cfg: NegativesConfig, device: str, threads: int):
+    from pairmine.operators.negatives import TeacherScores
+
+    n = cfg.negatives
+    return TeacherScores(n.teacher, n.teacher_max_length, n.teacher_batch_size, device, threads)
+
+
+def _make_write(staging: str, run_id: str, model: str, teacher: str, storage):
+    from pairmine.operators.negatives import NegativesWriter
+
+    return NegativesWriter(staging, run_id, model, teacher, storage)
+
+
+def _compact(staging: str, out: str, shard_index: int, storage):
+    from pairmine.operators.negatives import NEGATIVES_SCHEMA
+    from pairmine.operators.write import STAGING_SORT_COLUMN, compact_shard
+
+    path, n, _ = compact_shard(staging, out, shard_index, NEGATIVES_SCHEMA, (STAGING_SORT_COLUMN,), storage)
+    return path, n
+
+
+def check_teacher(path: str) -> None:
+    """Fail before any work when the teacher cannot be found or is not a one-logit cross-encoder (reads its config).
+
+    Raises:
+        ConfigError: naming negatives.teacher.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers raises OSError/ValueError/HF errors depending on the cause
+        raise ConfigError(f"negatives.teacher = {path!r} cannot be loaded: {str(e).splitlines()[0]}") from None
+    if getattr(config, "num_labels", 1) != 1:
+        raise ConfigError(f"negatives.teacher = {path!r} has {config.num_labels} outputs; a cross-encoder teacher gives "
+                          "one relevance logit per (query, passage) pair")
+
+
+def negatives(cfg: NegativesConfig) -> MineResult:
+    """Mine hard negatives with a validated config; returns the run folder and its stats.
+
+    Raises:
+        ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError: user errors, before any work.
+    """
+    import faiss
+    import ray
+
+    from pairmine.operators.negatives import DROP_REASONS, text_hash
+    from pairmine.operators.pairs import PAIR_SKIP_REASONS
+
+    t0 = time.time()
+    n = cfg.negatives
+    run_id = cfg.output.run_id or new_run_id()
+    storage = cfg.storage_layer()
+    out = cfg.output.path.rstrip("/") or "."
+    if (storage.info(out) or {}).get("type") == "file":
+        raise ConfigError(f"output.path = {cfg.output.path!r} is a file; it must be a folder (created if missing)")
+    run_dir = f"{out}/{run_id}"
+    if storage.exists(f"{run_dir}/{SUCCESS_MARKER}"):
+        raise RunExistsError(f"run {run_id} in {cfg.output.path} is already committed; choose another --run-id")
+    kind, shards = resolve_input(cfg, storage)
+    corpus_shards, text_column, id_column, spec = resolve_corpus(cfg, storage)
+    check_model(cfg)
+    if n.teacher:
+        check_teacher(n.teacher)
+    where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    configure_data(cfg.ray.target_block_mb)
+    stage_plan = plan_stages(cfg.embed.device, cfg.embed.num_actors, 1, True, cfg.embed.threads)
+    embed_cpus, embed_gpus = stage_plan.embed_cpus, stage_plan.embed_gpus
+    if n.teacher:  # the teacher actors share the embed actors' slots (on GPU: half of each embed share)
+        if stage_plan.device == "cpu":
+            stage_plan = plan_stages(cfg.embed.device, 2 * stage_plan.embed_actors, 1, True, cfg.embed.threads)
+            embed_cpus = stage_plan.embed_cpus
+        else:
+            embed_gpus = stage_plan.embed_gpus / 2
+    actors = cfg.embed.num_actors or (stage_plan.gpus if stage_plan.device == "cuda" else 1)
+    threads, device, light = stage_plan.threads, stage_plan.device, stage_plan.light_cpus
+    log.info("negatives run %s -> %s: %d input shard(s) (%s), corpus %s (%d file(s)); Ray %s", run_id, run_dir,
+             len(shards), "a mine run's groups: anchor -> s1" if kind == "groups" else "pairs", n.corpus,
+             len(corpus_shards), where)
+
+    # ---- corpus: chunk, embed, index --------------------------------------------------------------------------------
+    t_corpus = time.time()
+    scans = run_remote(scan_shard, [(s, text_column, id_column, 0, 0, 1.0, spec, storage) for s in corpus_shards])
+    passages: list[str] = []
+    doc_hashes: list[int] = []
+    for scan in scans:
+        for _, h, p in scan.pool:
+            passages.append(p)
+            doc_hashes.append(h)
+    del scans
+    corpus_texts: list[str] = []
+    embed_stage = Stage("embed", partial(_make_corpus_embed, cfg, threads, device), batch_size=cfg.ray.docs_per_batch,
+                        actors=actors, num_cpus=embed_cpus, num_gpus=embed_gpus)
+    vectors, corpus_docs = embed_pool(passages, np.array(doc_hashes, np.int64), embed_stage, cfg.ray.stall_warn_s,
+                                      cfg.ray.stall_limit_s, texts_out=corpus_texts)
+    del passages, doc_hashes
+    if len(vectors) == 0:
+        raise InputError(f"negatives.corpus {n.corpus}: no usable passage (empty or skipped documents only)")
+    vectors = np.ascontiguousarray(vectors, np.float32)
+    index, index_desc = build_index(vectors, n.index, n.nprobe, n.ef_search)
+    recall = None if n.index == "flat" else measure_recall(index, vectors, n.depth, n.recall_probes)
+    log.info("corpus: %d passages embedded and indexed in %.1f s, %s%s", len(vectors), time.time() - t_corpus,
+             index_desc, "" if recall is None else f"; recall@{n.depth} against exact search {recall:.4f} "
+             f"({min(n.recall_probes, len(vectors))} corpus passages as probe queries)")
+    corpus_size = len(vectors)
+    text_hashes = np.array([text_hash(t) for t in corpus_texts], np.int64)
+    corpus_ref = ray.put((faiss.serialize_index(index), text_hashes, corpus_docs, pa.array(corpus_texts, pa.string())))
+    del vectors, index, corpus_texts
+
+    # ---- the streaming pass -----------------------------------------------------------------------------------------
+    layouts = run_remote(_layout, [(s, storage) for s in shards])
+    units, expected = [], 0
+    for shard, layout in zip(shards, layouts):
+        offset = 0
+        for g, rows in enumerate(layout):
+            units.append({"shard_index": shard.index, "path": shard.path, "format": shard.format,
+                          "row_group": g if shard.format == "parquet" else -1, "row_offset": offset, "duplicate_rows": []})
+            offset += rows
+        expected += offset
+    staging = f"{run_dir}/_staging"
+    storage.rm(staging)  # leftovers of an interrupted attempt of this run id
+    storage.makedirs(run_dir)
+    batch = cfg.ray.docs_per_batch
+    stages = [
+        Stage("read_pairs", partial(_make_read, cfg, kind), batch_size=1, num_cpus=light),
+        Stage("embed_pairs", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
+              num_cpus=embed_cpus, num_gpus=embed_gpus),
+        Stage("search", partial(_make_search, corpus_ref, cfg, threads), batch_size=batch, actors=1, num_cpus=light),
+    ]
+    if n.teacher:
+        stages.append(Stage("teacher", partial(_make_teacher, cfg, device, threads), batch_size=batch, actors=actors,
+                            num_cpus=embed_cpus, num_gpus=embed_gpus))
+    stages.append(Stage("write_negatives", partial(_make_write, staging, run_id, model_id(cfg), n.teacher, storage),
+                        batch_size=batch, num_cpus=light))
+    ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
+    for stage in stages:
+        ds = apply_stage(ds, stage)
+    summaries, progress = [], Progress(expected, unit="pairs", counted="negatives")
+    done = lambda: f"{progress.docs} / {progress.total} pairs"  # noqa: E731
+    for row in watched(ds.iter_rows(), stages, done, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s):
+        summaries.append(json.loads(row["stats"]))
+        progress.update(summaries[-1].get("pairs_in", 0), summaries[-1].get("negatives", 0))
+    progress.done()
+    parts = run_remote(_compact, [(f"{staging}/negatives", f"{run_dir}/negatives", s.index, storage) for s in shards])
+    storage.rm(staging)
+
+    # ---- commit -----------------------------------------------------------------------------------------------------
+    total, _ = merge_stats(summaries)
+    skipped = {r: int(total.get(f"pairs_skipped.{r}", 0)) for r in PAIR_SKIP_REASONS}
+    dropped = {r: int(total.get(f"negatives_dropped.{r}", 0)) for r in DROP_REASONS}
+    pairs_in, pairs_out, kept = int(total["pairs_in"]), int(total["pairs_out"]), int(total["negatives"])
+    elapsed = time.time() - t0
+    stats = {
+        "run_id": run_id,
+        "pairs_in": pairs_in,
+        "pairs_skipped": skipped,
+        "pairs_out": pairs_out,
+        "pairs_without_negatives": int(total["pairs_without_negatives"]),
+        "negatives": kept,
+        "negatives_per_pair": round(kept / pairs_out, 4) if pairs_out else 0.0,
+        "candidates_retrieved": kept + sum(dropped.values()),
+        "negatives_dropped": dropped,
+        "corpus_passages": corpus_size,
+        "index": index_desc,
+        "index_recall_at_depth": recall,
+        "elapsed_s": round(elapsed, 2),
+        "pairs_per_s": round(pairs_in / elapsed, 3) if elapsed else 0.0,
+    }
+    stats["reconciled"] = pairs_in == pairs_out + sum(skipped.values()) == expected
+    if not stats["reconciled"] or sum(c for _, c in parts) != pairs_out:
+        raise RuntimeError(f"counts do not reconcile: {stats}, parts hold {sum(c for _, c in parts)} pairs")
+    manifest = {
+        "run_id": run_id, "job": "negatives",
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": cfg.to_dict(),
+        "resolved": {"model": model_id(cfg), "query_prefix": cfg.resolved_query_prefix(),
+                     "passage_prefix": cfg.resolved_prefix(), "embed_device": device, "ray": where,
+                     "stage_plan": stage_plan.describe(), "input_kind": kind, "index": index_desc,
+                     "index_recall_at_depth": recall, "teacher": n.teacher or None},
+        "inputs": [_shard_dict(s) for s in shards],
+        "corpus": [_shard_dict(s) for s in corpus_shards],
+        "shards": [{"shard_index": s.index, "part": f"negatives/{p.rsplit('/', 1)[-1]}", "pairs": c,
+                    "status": "committed"} for s, (p, c) in zip(shards, parts)],
+        "versions": software_versions(), "host": platform.node(),
+    }
+    write_json(storage, f"{run_dir}/stats.json", stats)
+    write_json(storage, f"{run_dir}/manifest.json", manifest)
+    storage.write_bytes(f"{run_dir}/{SUCCESS_MARKER}", (run_id + "\n").encode())
+    log.info("done in %.1f s: %d negatives for %d pairs (%.2f per pair; ranks %d-%d of %d retrieved from %d corpus "
+             "passages); %d skipped -> %s", elapsed, kept, pairs_out, stats["negatives_per_pair"], n.rank_start,
+             n.rank_end, n.depth, corpus_size, sum(skipped.values()), run_dir)
+    return MineResult(run_dir=run_dir, stats=stats)

@@ -1,0 +1,181 @@
+"""``pairmine negatives`` (issue 11; seed 004 chapter 3; SPEC "Hard negatives and distillation"): the rank window and
+drop rules by hand, the faiss indexes' recall, a run on the tiny mine run with a tiny cross-encoder teacher, and the
+false-negative check on fiqa-pairs-beir with the default model (the top of the retrieved list holds more judged-
+relevant passages than the default window)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pairmine.operators.chunk import chunk_text
+from pairmine.operators.negatives import TeacherScores, select_negatives
+
+FIQA = Path(__file__).parent / "data" / "fiqa-pairs-beir"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "negatives", *args], capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_rank_window_and_drop_reasons_by_hand():
+    # Retrieved list, best first: corpus rows and cosines; -1 is faiss's padding. Row 3 holds the positive's text,
+    # row 7 is a passage of the pair's own document.
+    ids = np.array([5, 3, 7, 2, 9, 1, 4, -1])
+    scores = np.array([0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.0])
+    text_hashes = np.arange(10) * 10
+    text_hashes[3] = 777
+    doc_hashes = np.arange(10) + 100
+    doc_hashes[7] = 42
+    window = dict(positive_text_hash=777, positive_doc_hash=42, positive_score=0.9, rank_start=3, rank_end=6, count=2)
+    kept, drops = select_negatives(ids, scores, text_hashes, doc_hashes, **window)
+    assert kept == [3, 4]  # rows 2 and 9, at ranks 4 and 5
+    assert drops == Counter(before_window=1, positive_duplicate=1, same_document=1, beyond_count=1, after_window=1)
+    # margin 0.25: candidates above 0.9 - 0.25 = 0.65 go (row 2 at 0.7); rows 9 and 1 take the two places.
+    kept, drops = select_negatives(ids, scores, text_hashes, doc_hashes, **window, margin=0.25)
+    assert kept == [4, 5] and drops["above_margin"] == 1 and drops["beyond_count"] == 0
+    # relative margin 0.7: above 0.7 * 0.9 = 0.63 goes (row 2 again).
+    kept, drops = select_negatives(ids, scores, text_hashes, doc_hashes, **window, relative_margin=0.7)
+    assert kept == [4, 5] and drops["above_relative_margin"] == 1
+    # Plain pairs have no document: row 7 is then an ordinary candidate at rank 3.
+    kept, _ = select_negatives(ids, scores, text_hashes, doc_hashes, **{**window, "positive_doc_hash": None})
+    assert kept == [2, 3]
+    # Every retrieved candidate is kept or counted once.
+    assert len(kept) + sum(drops.values()) == 7
+
+
+def test_approximate_indexes_report_their_recall_against_exact_search():
+    from pairmine.pipeline.negatives import build_index, measure_recall
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(20, 32))
+    x = centres[rng.integers(20, size=4000)] + 0.3 * rng.normal(size=(4000, 32))
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    flat, desc = build_index(x, "flat")
+    assert desc == "exact (faiss IndexFlatIP)" and measure_recall(flat, x, 50, 100) == 1.0
+    for kind in ("ivf", "hnsw"):
+        index, desc = build_index(x, kind, nprobe=8, ef_search=128)
+        assert desc.startswith("approximate")
+        recall = measure_recall(index, x, 50, 100)
+        assert 0.5 < recall <= 1.0, (kind, recall)
+    ivf, desc = build_index(x, "ivf", nprobe=1)
+    assert "nlist 102" in desc  # 4 sqrt(4000) = 252, capped at 4000 / 39 = 102 lists
+    assert measure_recall(ivf, x, 50, 100) < measure_recall(build_index(x, "ivf", nprobe=102)[0], x, 50, 100) == 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny_teacher(tmp_path_factory) -> str:
+    """A 2-layer cross-encoder (BERT, one output logit) with the real all-MiniLM-L6-v2 tokenizer, seeded weights."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from pairmine.operators.embed import default_model_path
+
+    path = tmp_path_factory.mktemp("tiny-cross-encoder")
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=512, num_labels=1)
+    BertForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_negatives_of_a_mine_run_with_a_teacher(tiny_run, tiny_teacher, tmp_path):
+    run_dir, _ = tiny_run
+    proc = _cli("--input", str(run_dir), "--corpus", str(run_dir), "--output", str(tmp_path), "--run-id", "neg",
+                "--teacher", tiny_teacher, "--set", "negatives.index=hnsw")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "neg"
+    assert (out / "_SUCCESS").exists() and sorted(p.name for p in (out / "negatives").iterdir()) == ["part-00000.parquet"]
+    stats = json.loads((out / "stats.json").read_text())
+    groups = pq.read_table(run_dir / "groups").to_pylist()
+    rows = pq.read_table(out / "negatives").to_pylist()
+    assert stats["reconciled"] and stats["pairs_in"] == stats["pairs_out"] == len(rows) == len(groups)
+    assert stats["index"].startswith("approximate (faiss IndexHNSWFlat") and 0.9 <= stats["index_recall_at_depth"] <= 1
+    assert "recall@200 against exact search" in proc.stderr
+    # The tiny run's own input is the corpus, chunked as mined: map every passage to its documents.
+    docs = pq.read_table(json.loads((run_dir / "manifest.json").read_text())["inputs"][0]["path"],
+                         columns=["id", "text"]).to_pylist()
+    owners: dict[str, set] = {}
+    for d in docs:
+        for p in chunk_text(d["text"]).passages:
+            owners.setdefault(p, set()).add(d["id"])
+    assert stats["corpus_passages"] == sum(len(chunk_text(d["text"]).passages) for d in docs)
+    by_group = {g["group_id"]: g for g in groups}
+    for r in rows:
+        g = by_group[r["pair_id"]]
+        assert (r["query"], r["positive"], r["doc_id"]) == (g["anchor_text"], g["related_texts"][0], g["doc_id"])
+        assert len(r["negatives"]) == 7 and r["negative_ranks"] == sorted(r["negative_ranks"])
+        assert all(31 <= k <= 200 for k in r["negative_ranks"])
+        assert r["negative_scores"] == sorted(r["negative_scores"], reverse=True)
+        assert r["positive"] not in r["negatives"]
+        assert not any(g["doc_id"] in owners[n] and len(owners[n]) == 1 for n in r["negatives"])  # no own-doc passage
+        assert len(r["negative_teacher_scores"]) == 7 and r["teacher"] == tiny_teacher
+    dropped = stats["negatives_dropped"]
+    assert stats["candidates_retrieved"] == stats["negatives"] + sum(dropped.values())
+    assert dropped["positive_duplicate"] > 0  # the positive itself is in the corpus (when retrieved)
+    assert dropped["same_document"] > 0 and dropped["before_window"] > 0
+    # The stored teacher scores are the cross-encoder's logits for exactly those pairs.
+    teacher = TeacherScores(tiny_teacher)
+    first = rows[0]
+    expected = teacher.score([first["query"]] * 8, [first["positive"], *first["negatives"]])
+    assert np.allclose([first["positive_teacher_score"], *first["negative_teacher_scores"]], expected, atol=1e-4)
+
+
+def test_bad_input_is_one_line(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    proc = _cli("--input", str(run_dir), "--corpus", str(tmp_path / "nowhere"), "--output", str(tmp_path))
+    assert proc.returncode == 2 and "pairmine: error: negatives.corpus (--corpus): input" in proc.stderr
+    proc = _cli("--input", str(run_dir), "--corpus", str(run_dir), "--set", "negatives.rank_start=0")
+    assert proc.returncode == 2 and "negatives.rank_start = 0 is not allowed" in proc.stderr
+    proc = _cli("--input", str(run_dir), "--corpus", str(run_dir), "--teacher", str(tmp_path / "no-model"),
+                "--output", str(tmp_path))
+    assert proc.returncode == 2 and "negatives.teacher" in proc.stderr
+
+
+def test_the_window_holds_fewer_judged_relevant_passages_than_the_top_of_the_list(tmp_path):
+    """Seed 004: the top of the retrieved list is where unlabelled positives sit. On fiqa-pairs-beir (qrels judge the
+    true answers), with the default model: negatives at ranks 1-10 are judged relevant to their query more often
+    than negatives inside the default window (ranks 31-200)."""
+    corpus = [json.loads(x) for x in (FIQA / "corpus.jsonl").read_text().splitlines()]
+    queries = {q["_id"]: q["text"] for q in map(json.loads, (FIQA / "queries.jsonl").read_text().splitlines())}
+    qrels: dict[str, set] = {}
+    for line in (FIQA / "qrels" / "test.tsv").read_text().splitlines()[1:]:
+        q, d, score = line.split("\t")
+        if int(score) > 0:
+            qrels.setdefault(q, set()).add(d)
+    text_of = {d["_id"]: d["text"] for d in corpus}
+    # One pair per query: its first judged answer; the corpus: every answer, one passage each (chunk.max_words large).
+    pairs = [{"id": q, "query": queries[q], "passage": text_of[sorted(ds)[0]]} for q, ds in sorted(qrels.items())
+             if text_of.get(sorted(ds)[0], "").strip()]
+    pq.write_table(pa.Table.from_pylist(pairs), tmp_path / "pairs.parquet")
+    pq.write_table(pa.Table.from_pylist([{"id": d["_id"], "text": d["text"]} for d in corpus]), tmp_path / "corpus.parquet")
+    proc = _cli("--input", str(tmp_path / "pairs.parquet"), "--corpus", str(tmp_path / "corpus.parquet"),
+                "--output", str(tmp_path), "--run-id", "fiqa", "--set", "chunk.max_words=100000",
+                "--set", "negatives.rank_start=1", "--set", "negatives.count=200")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    owner = {}
+    for d in corpus:
+        for p in chunk_text(d["text"], max_words=100000).passages:
+            owner[p] = d["_id"]
+    judged = {"top": [0, 0], "window": [0, 0]}  # [judged relevant, negatives]
+    for r in pq.read_table(tmp_path / "fiqa" / "negatives").to_pylist():
+        for text, rank in zip(r["negatives"], r["negative_ranks"]):
+            where = "top" if rank <= 10 else "window" if 31 <= rank <= 200 else None
+            if where:
+                judged[where][0] += owner[text] in qrels[r["pair_id"]]
+                judged[where][1] += 1
+    top, window = (judged[k][0] / judged[k][1] for k in ("top", "window"))
+    print(f"\njudged relevant among mined negatives: ranks 1-10 {judged['top'][0]} / {judged['top'][1]} = "
+          f"{top:.4%}; ranks 31-200 {judged['window'][0]} / {judged['window'][1]} = {window:.4%}")
+    assert judged["top"][0] > 0 and window < top
