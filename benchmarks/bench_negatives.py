@@ -1,0 +1,137 @@
+"""Hard-negative mining benchmark (not a test): ``pairmine negatives`` against sentence-transformers'
+``mine_hard_negatives`` on the same model, pairs, corpus, depth and window, plus the search alone and the recall of
+the approximate indexes against exact search. Prints figures and ratios.
+
+    pip install -e '.[bench]'              # sentence-transformers' mining needs the datasets library
+    python benchmarks/bench_negatives.py   # fiqa-pairs-beir (500 pairs, 1,237 passages), default model, CPU
+
+What is timed:
+  end to end   pairmine negatives (a subprocess: Ray start, corpus embedding, index, streaming pass, commit) and
+               mine_hard_negatives (one process: embeds corpus and queries, faiss search, range_min/range_max window,
+               num_negatives) on the same pairs and corpus; pairs/s and the ratio pairmine / sentence-transformers
+  search       on random unit vectors (N x dim, seeded): faiss IndexFlatIP top-depth + pairmine's window selection
+               (operators.negatives.select_negatives), queries/s; IVF and HNSW queries/s and recall@depth vs exact
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+FIQA = Path(__file__).resolve().parents[1] / "tests" / "data" / "fiqa-pairs-beir"
+
+
+def fiqa_pairs() -> tuple[list[dict], list[dict]]:
+    """(pairs: one per judged question, its first judged answer; corpus documents: every answer)."""
+    corpus = [json.loads(x) for x in (FIQA / "corpus.jsonl").read_text().splitlines()]
+    queries = {q["_id"]: q["text"] for q in map(json.loads, (FIQA / "queries.jsonl").read_text().splitlines())}
+    qrels: dict[str, list] = {}
+    for line in (FIQA / "qrels" / "test.tsv").read_text().splitlines()[1:]:
+        q, d, score = line.split("\t")
+        if int(score) > 0:
+            qrels.setdefault(q, []).append(d)
+    text = {d["_id"]: d["text"] for d in corpus}
+    pairs = [{"id": q, "query": queries[q], "passage": text[sorted(ds)[0]]} for q, ds in sorted(qrels.items())
+             if text.get(sorted(ds)[0], "").strip()]
+    return pairs, [{"id": d["_id"], "text": d["text"]} for d in corpus if d["text"].strip()]
+
+
+def end_to_end(depth: int, rank_start: int, count: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pairmine.operators.embed import default_model_path
+
+    pairs, docs = fiqa_pairs()
+    with tempfile.TemporaryDirectory() as tmp:
+        pq.write_table(pa.Table.from_pylist(pairs), f"{tmp}/pairs.parquet")
+        pq.write_table(pa.Table.from_pylist(docs), f"{tmp}/corpus.parquet")
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "negatives", "--input",
+                               f"{tmp}/pairs.parquet", "--corpus", f"{tmp}/corpus.parquet", "--output", tmp,
+                               "--run-id", "bench", "--set", "chunk.max_words=100000", "--set",
+                               f"negatives.depth={depth}", "--set", f"negatives.rank_end={depth}", "--set",
+                               f"negatives.rank_start={rank_start}", "--set", f"negatives.count={count}"],
+                              capture_output=True, text=True)
+        pm_s = time.time() - t0
+        if proc.returncode:
+            sys.exit(proc.stderr[-3000:])
+        stats = json.loads(Path(f"{tmp}/bench/stats.json").read_text())
+
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.util import mine_hard_negatives
+
+    t0 = time.time()
+    model = SentenceTransformer(default_model_path(), device="cpu")
+    mined = mine_hard_negatives(Dataset.from_list([{"query": p["query"], "passage": p["passage"]} for p in pairs]),
+                                model, anchor_column_name="query", positive_column_name="passage",
+                                corpus=[d["text"] for d in docs], range_min=rank_start - 1, range_max=depth,
+                                num_negatives=count, sampling_strategy="top", output_format="n-tuple",
+                                use_faiss=True, batch_size=32, verbose=False)
+    st_s = time.time() - t0
+    n = len(pairs)
+    print(f"end to end, {n} pairs, corpus {len(docs)} passages, depth {depth}, window {rank_start}-{depth}, "
+          f"{count} negatives per pair, all-MiniLM-L6-v2 on CPU:")
+    print(f"  pairmine negatives      {pm_s:8.1f} s  {n / pm_s:8.2f} pairs/s  ({stats['negatives']} negatives; "
+          "includes Ray start and the commit)")
+    print(f"  mine_hard_negatives     {st_s:8.1f} s  {n / st_s:8.2f} pairs/s  ({len(mined)} rows with {count} "
+          "negatives)")
+    print(f"  ratio pairmine / sentence-transformers (pairs/s): {st_s / pm_s:.2f}x")
+
+
+def search(n: int, dim: int, queries: int, depth: int, rank_start: int, count: int) -> None:
+    import faiss
+
+    from pairmine.operators.negatives import select_negatives
+    from pairmine.pipeline.negatives import build_index, measure_recall
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(256, dim))
+    x = centres[rng.integers(256, size=n)] + 0.5 * rng.normal(size=(n, dim))
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    q = x[rng.choice(n, size=queries, replace=False)] + 0.05 * rng.normal(size=(queries, dim)).astype(np.float32)
+    q = (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32)
+    text_hashes, doc_hashes = np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64) // 8
+    print(f"search, {n} x {dim} corpus, {queries} queries, depth {depth} (faiss {faiss.__version__}, "
+          f"{faiss.omp_get_max_threads()} threads):")
+    flat_qps = None
+    for kind in ("flat", "ivf", "hnsw"):
+        t0 = time.time()
+        index, desc = build_index(x, kind)
+        build_s = time.time() - t0
+        t0 = time.time()
+        scores, ids = index.search(q, depth)
+        for k in range(queries):
+            select_negatives(ids[k], scores[k], text_hashes, doc_hashes, -1, None, 1.0, rank_start, depth, count)
+        qps = queries / (time.time() - t0)
+        flat_qps = flat_qps or qps
+        recall = measure_recall(index, x, depth, 256) if kind != "flat" else 1.0
+        print(f"  {desc:55s} build {build_s:6.1f} s  {qps:9.1f} queries/s ({qps / flat_qps:.2f}x exact)  "
+              f"recall@{depth} {recall:.4f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--depth", type=int, default=200)
+    ap.add_argument("--rank-start", type=int, default=31)
+    ap.add_argument("--count", type=int, default=7)
+    ap.add_argument("--n", type=int, default=200_000, help="search part: corpus vectors (default 200,000)")
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--queries", type=int, default=5_000)
+    ap.add_argument("--skip-end-to-end", action="store_true")
+    args = ap.parse_args()
+    search(args.n, args.dim, args.queries, args.depth, args.rank_start, args.count)
+    if not args.skip_end_to_end:
+        end_to_end(args.depth, args.rank_start, args.count)
+
+
+if __name__ == "__main__":
+    main()
