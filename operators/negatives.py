@@ -27,7 +27,7 @@ from pairmine.operators.read import open_input
 from pairmine.operators.storage import LOCAL, Storage
 
 # Why a retrieved candidate is not kept as a negative; each count goes to stats.json (negatives_dropped).
-DROP_REASONS = ("positive_duplicate", "same_document", "before_window", "after_window", "above_margin",
+DROP_REASONS = ("positive_duplicate", "query_duplicate", "same_document", "before_window", "after_window", "above_margin",
                 "above_relative_margin", "beyond_count")
 
 NEGATIVES_SCHEMA = pa.schema(
@@ -51,8 +51,8 @@ NEGATIVES_SCHEMA = pa.schema(
 
 def select_negatives(ids: np.ndarray, scores: np.ndarray, text_hashes: np.ndarray, doc_hashes: np.ndarray,
                      positive_text_hash: int, positive_doc_hash: int | None, positive_score: float, rank_start: int,
-                     rank_end: int, count: int, margin: float | None = None, relative_margin: float | None = None
-                     ) -> tuple[list[int], Counter]:
+                     rank_end: int, count: int, margin: float | None = None, relative_margin: float | None = None,
+                     query_text_hash: int | None = None) -> tuple[list[int], Counter]:
     """The negatives of one query from its retrieved list.
 
     Args:
@@ -66,6 +66,8 @@ def select_negatives(ids: np.ndarray, scores: np.ndarray, text_hashes: np.ndarra
         count: most negatives kept (the highest-ranked eligible ones).
         margin: drop candidates scoring above ``positive_score - margin`` (absolute margin); None: off.
         relative_margin: drop candidates scoring above ``relative_margin * positive_score``; None: off.
+        query_text_hash: the same hash of the query: a passage with the query's own text (a mined anchor repeated
+            in another document) is not a negative of it; None: off.
 
     Returns:
         (positions in ``ids`` of the kept negatives, best first; Counter of :data:`DROP_REASONS`). Every retrieved
@@ -78,6 +80,8 @@ def select_negatives(ids: np.ndarray, scores: np.ndarray, text_hashes: np.ndarra
         rank = pos + 1
         if text_hashes[row] == positive_text_hash:
             drops["positive_duplicate"] += 1
+        elif query_text_hash is not None and text_hashes[row] == query_text_hash:
+            drops["query_duplicate"] += 1
         elif positive_doc_hash is not None and doc_hashes[row] == positive_doc_hash:
             drops["same_document"] += 1
         elif rank < rank_start:
@@ -181,13 +185,15 @@ class SearchNegatives:
             p = _matrix(batch.column("passage_vector"))[rows]  # (usable, dim)
             found_scores, found_ids = index.search(np.ascontiguousarray(q, np.float32), min(self.depth, index.ntotal))
             positives = batch.column("passage").to_pylist()
+            queries = batch.column("query").to_pylist()
             doc_ids = batch.column("doc_id").to_pylist() if "doc_id" in batch.column_names else [None] * n
             for k, r in enumerate(rows.tolist()):
                 s = float(np.dot(q[k], p[k]))
                 pos_score[r] = s
                 kept, d = select_negatives(found_ids[k], found_scores[k], text_hashes, doc_hashes,
                                            text_hash(positives[r]),
-                                           None if doc_ids[r] is None else doc_hash(doc_ids[r]), s, **self.window)
+                                           None if doc_ids[r] is None else doc_hash(doc_ids[r]), s, **self.window,
+                                           query_text_hash=text_hash(queries[r]))
                 drops.update(d)
                 ids = found_ids[k][kept]
                 negs[r] = texts.take(pa.array(ids, pa.int64())).to_pylist()

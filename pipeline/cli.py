@@ -121,8 +121,13 @@ def _add_train_parser(sub) -> None:
         epilog=TRAIN_EPILOG + _train_config_reference(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    t.add_argument("--groups", metavar="PATH", required=True, help="a committed pairmine mine run folder (with "
-                   "groups/ and _SUCCESS) or its groups/ folder; local or s3://")
+    source = t.add_mutually_exclusive_group(required=True)
+    source.add_argument("--groups", metavar="PATH", help="a committed pairmine mine run folder (with groups/ and "
+                        "_SUCCESS) or its groups/ folder; local or s3://: the xPRT objective")
+    source.add_argument("--negatives", metavar="RUN", help="instead of --groups, a committed pairmine negatives run: "
+                        "E5's second stage (seed 004): grouped batches of 1 positive + distill.hard_negatives mined "
+                        "negatives, every passage of the batch a negative for every other query, L = alpha InfoNCE + "
+                        "(1 - alpha) KL against the run's teacher scores (InfoNCE only without them)")
     t.add_argument("--output", metavar="PATH", required=True, help="folder for checkpoints, metrics.jsonl and "
                    "export/; local or s3://. An existing one is resumed from its latest checkpoint")
     t.add_argument("--positives", choices=("xprt", "random"), help="xprt (default): the positive is s1, the top "
@@ -146,9 +151,10 @@ def cmd_train(args) -> int:
     for flag, key in ((args.positives, "train.positives"), (args.model, "train.model"), (args.ray_address, "ray.address")):
         if flag:
             overrides.append(f"{key}={flag}")
-    result = train(load_train_config(args.config, overrides), args.groups, args.output)
+    result = train(load_train_config(args.config, overrides), args.groups or "", args.output, args.negatives or "")
     m = result.metrics or {}
-    print(f"output: {result.output}\nsteps: {result.steps}; last loss {m.get('loss')} (L_xp {m.get('l_xp')}, "
+    terms = (f"InfoNCE {m.get('l_nce')}, KL {m.get('l_kl')}" if args.negatives else f"L_xp {m.get('l_xp')}")
+    print(f"output: {result.output}\nsteps: {result.steps}; last loss {m.get('loss')} ({terms}, "
           f"P(positive) {m.get('p_positive')})\nexported encoder: {result.export_dir}")
     return 0
 
@@ -210,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 NEGATIVES_EPILOG = """\
 what it does (seed 004, chapter 3; SPEC "Hard negatives and distillation"):
   every corpus passage is embedded with the pairs' embedder and indexed with faiss (exact by default); each pair's
-  query retrieves its top negatives.depth (200) passages; the positive, exact duplicates of it (normalised text) and
+  query retrieves its top negatives.depth (200) passages; the positive, exact duplicates of it or of the query
+  (normalised text) and
   passages of the pair's own document (mine runs) are dropped; negatives come from ranks negatives.rank_start to
   rank_end (31-200: the top 30 is where unlabelled positives sit), at most negatives.count (7) per pair, optionally
   only those below the positive's score by negatives.margin or under negatives.relative_margin x that score. Every

@@ -68,14 +68,15 @@ class TrainResult:
 # Driver: the groups
 
 
-def find_group_parts(groups: str, storage=None) -> tuple[object, list[str], str]:
-    """The parquet parts of a committed mining run.
+def find_group_parts(groups: str, storage=None, folder: str = "groups") -> tuple[object, list[str], str]:
+    """The parquet parts of a committed mining run (or, with ``folder="negatives"``, of a negatives run).
 
     Args:
         groups: a run folder of ``pairmine mine`` (with ``groups/`` and ``_SUCCESS``) or its ``groups/`` folder;
             local or an fsspec URL (``s3://...``).
         storage: the :class:`operators.storage.Storage` to reach it with (default: local paths and the standard AWS
             environment).
+        folder: the run's parts folder: ``groups`` (pairmine mine) or ``negatives`` (pairmine negatives).
 
     Returns:
         (filesystem, part paths sorted, run folder).
@@ -91,16 +92,57 @@ def find_group_parts(groups: str, storage=None) -> tuple[object, list[str], str]
     info = storage.info(groups.rstrip("/"))
     if info is None:
         raise FileNotFoundError(f"groups {groups} does not exist")
+    job = "pairmine mine" if folder == "groups" else f"pairmine {folder}"
     if info.get("type") != "directory":
-        raise InputError(f"groups {groups} is a file; give the run folder of pairmine mine (with groups/ and _SUCCESS)")
-    run = root if storage.retry("list", groups, lambda: fs.exists(f"{root}/groups")) else root.rsplit("/", 1)[0]
+        raise InputError(f"{folder} {groups} is a file; give the run folder of {job} (with {folder}/ and _SUCCESS)")
+    run = root if storage.retry("list", groups, lambda: fs.exists(f"{root}/{folder}")) else root.rsplit("/", 1)[0]
     if not storage.retry("list", groups, lambda: fs.exists(f"{run}/{SUCCESS_MARKER}")):
-        raise InputError(f"groups {groups}: no {SUCCESS_MARKER} marker in {run}, so the mining run is not complete "
-                         "(or this is not a pairmine mine run folder)")
-    parts = sorted(p for p in storage.retry("list", groups, lambda: fs.find(f"{run}/groups")) if p.endswith(".parquet"))
+        raise InputError(f"{folder} {groups}: no {SUCCESS_MARKER} marker in {run}, so the run is not complete "
+                         f"(or this is not a {job} run folder)")
+    parts = sorted(p for p in storage.retry("list", groups, lambda: fs.find(f"{run}/{folder}")) if p.endswith(".parquet"))
     if not parts:
-        raise InputError(f"groups {groups}: {run}/groups holds no parquet part")
+        raise InputError(f"{folder} {groups}: {run}/{folder} holds no parquet part")
     return fs, parts, run
+
+
+NEGATIVES_COLUMNS = {"doc_id": "string", "query": "string", "positive": "string", "negatives": "list<string>",
+                     "negative_teacher_scores": "list<float>", "positive_teacher_score": "float"}
+
+
+def check_negative_parts(fs, parts: list[str], hard_negatives: int) -> tuple[int, int, bool]:
+    """Check a negatives run's parts and count its pairs (reads the small ``negative_ranks`` and teacher columns).
+
+    Returns:
+        (pairs, pairs with at least ``hard_negatives`` negatives, whether every such pair has teacher scores).
+
+    Raises:
+        InputError: a part is unreadable or lacks a column of ``NEGATIVES_COLUMNS``.
+    """
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    total, usable, teacher = 0, 0, True
+    for path in parts:
+        try:
+            with fs.open(path, "rb") as f:
+                pf = pq.ParquetFile(f)
+                names = pf.schema_arrow.names
+                for name, typ in NEGATIVES_COLUMNS.items():
+                    if name not in names or _type_name(pf.schema_arrow.field(name).type) != typ:
+                        raise InputError(f"negatives part {path}: no column {name!r} of type {typ}: not a pairmine "
+                                         f"negatives file (columns: {', '.join(names)})")
+                t = pf.read(columns=["negative_ranks", "positive_teacher_score"])
+        except InputError:
+            raise
+        except Exception as e:  # pyarrow raises ArrowInvalid/OSError for corrupt files
+            raise InputError(f"negatives part {path} is not a readable parquet file: {str(e).splitlines()[0]}") from None
+        enough = pc.greater_equal(pc.list_value_length(t.column("negative_ranks")), hard_negatives)
+        enough = pc.fill_null(enough, False)
+        total += t.num_rows
+        usable += int(pc.sum(enough).as_py() or 0)
+        scored = t.column("positive_teacher_score").filter(enough)
+        teacher = teacher and scored.null_count == 0
+    return total, usable, teacher and usable > 0
 
 
 def check_group_parts(fs, parts: list[str]) -> tuple[int, int]:
@@ -382,6 +424,89 @@ def xprt_step(model, frozen, tokenizer, batch: dict, cfg: TrainConfig, step: int
     return terms, w_ret, grad_norm, (a.detach(), p.detach(), all_docs)
 
 
+def negatives_step(model, tokenizer, batch: dict, cfg: TrainConfig, world: int, device, amp, optimizer, scheduler,
+                   use_teacher: bool = False):
+    """One optimizer step of the hard-negative objective (``pairmine train --negatives``; seed 004 chapter 3) on this
+    worker's part of the global batch: queries (query prefix) and each group's positive + H negatives (passage
+    prefix) through the encoder in one forward pass, gathered over the workers, then
+    :func:`pipeline.distill.hard_negative_loss`.
+
+    Args:
+        use_teacher: the KL term against the pairs' teacher scores (every pair of the run has them).
+
+    Returns:
+        dict of scalar tensors: loss, l_nce, l_kl, p_positive, grad_norm.
+    """
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from pairmine.pipeline.distill import hard_negative_loss
+    from pairmine.pipeline.xprt import gather_with_grad
+
+    d = cfg.distill
+    h = d.hard_negatives
+    from pairmine.operators.consistency import doc_hash
+    from pairmine.operators.negatives import text_hash
+
+    queries = [cfg.resolved_query_prefix() + q for q in batch["query"]]
+    prefix = cfg.resolved_prefix()
+    texts = [t for p, ns in zip(batch["positive"], batch["negatives"]) for t in [p, *list(ns)[:h]]]
+    passages = [prefix + t for t in texts]
+    g = len(queries)
+    # In-batch false negatives are masked: other groups' positives from the same document (pairs without a
+    # document id count as their own document) and passages whose text is the query's own positive's or the query's.
+    docs = [doc_hash(str(d)) if d is not None else doc_hash(f"\x00pair:{i}:{q}") for i, (d, q) in
+            enumerate(zip(batch["doc_id"], batch["query"]))]
+    doc_ids = gather_with_grad(torch.tensor(docs, dtype=torch.int64, device=device))  # (world * g,)
+    keys = gather_with_grad(torch.tensor([text_hash(t) for t in texts], dtype=torch.int64, device=device))
+    query_keys = gather_with_grad(torch.tensor([text_hash(q) for q in batch["query"]], dtype=torch.int64,
+                                               device=device))
+    enc = tokenizer(queries + passages, padding=True, truncation=True, max_length=cfg.train.max_length,
+                    return_tensors="pt")
+    model.train()
+    with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+        vec = model(enc["input_ids"].to(device), enc["attention_mask"].to(device))  # (g * (2 + H), dim)
+    vec = F.normalize(vec.float(), dim=-1)
+    q, p = gather_with_grad(vec[:g]), gather_with_grad(vec[g:])  # (world * g, dim), (world * g * (1 + H), dim)
+    teacher = None
+    if use_teacher and d.alpha < 1:  # the driver checked that every pair it feeds has teacher scores
+        rows = [[float(t0), *list(ts)[:h]] for t0, ts in zip(batch["positive_teacher_score"],
+                                                              batch["negative_teacher_scores"])]
+        teacher = gather_with_grad(torch.tensor(np.array(rows, np.float32), device=device))  # (world * g, 1 + H)
+    terms = hard_negative_loss(q, p, teacher, d.alpha, d.tau, doc_ids, keys, query_keys)
+    optimizer.zero_grad(set_to_none=True)
+    # Every term is over the global batch, the same value on every worker: scaled by the world size so that DDP's
+    # average of the workers' gradients is the full gradient (as xprt_step's global terms).
+    (world * terms["loss"]).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
+    optimizer.step()
+    scheduler.step()
+    terms["grad_norm"] = grad_norm
+    return terms
+
+
+def _report(metrics: dict, step: int, total: int, every: int, rank: int, metrics_log, model, optimizer, scheduler,
+            epoch: int) -> None:
+    """Rank 0 logs the step's metrics; every worker reports them to Ray Train, with a checkpoint every ``every``
+    steps and after the last."""
+    import ray.train
+
+    save = step == total or (every > 0 and step % every == 0)
+    if rank == 0:
+        metrics_log.add(metrics)
+    if save:
+        if rank == 0:
+            metrics_log.flush()
+            with tempfile.TemporaryDirectory() as tmp:
+                _save_state(model, optimizer, scheduler, step, epoch, tmp)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        else:
+            ray.train.report(metrics, checkpoint=None)
+    else:
+        ray.train.report(metrics)
+
+
 def train_loop(config: dict) -> None:
     """Ray Train worker: the training loop (the same code on a laptop's CPU workers and a GPU cluster)."""
     import ray.train
@@ -425,7 +550,9 @@ def train_loop(config: dict) -> None:
         step = int(state["step"])
         if rank == 0:
             log.info("resumed from checkpoint at step %d of %d", step, total)
-    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": False})
+    on_negatives = config.get("objective") == "negatives"
+    # The hard-negative objective uses the encoder only: DDP must not wait for the decoder's and head's gradients.
+    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": on_negatives})
     inner = model.module if hasattr(model, "module") else model
     start_step = step
     metrics_log = MetricsLog(output, step, config["storage"]) if rank == 0 else None
@@ -443,6 +570,25 @@ def train_loop(config: dict) -> None:
         done = 0
         for batch in batches:
             done += 1
+            if on_negatives:
+                terms = negatives_step(model, tokenizer, batch, cfg, world, device, amp, optimizer, scheduler,
+                                       config.get("teacher", False))
+                step += 1
+                now = time.time()
+                g = len(batch["query"])
+                metrics = {k: round(float(v.detach()), 6) for k, v in terms.items()}
+                metrics.update({"step": step, "epoch": epoch, "start_step": start_step,
+                                "lr": scheduler.get_last_lr()[0], "groups": g * world,
+                                "groups_per_s": round(g * world / max(now - t_last, 1e-9), 3), "time": round(now, 3)})
+                t_last = now
+                if rank == 0 and (step % 10 == 0 or step == 1 or step == total):
+                    log.info("step %d/%d loss %.4f (InfoNCE %.4f KL %.4f) p+ %.3f %.2f groups/s", step, total,
+                             metrics["loss"], metrics["l_nce"], metrics["l_kl"], metrics["p_positive"],
+                             metrics["groups_per_s"])
+                _report(metrics, step, total, every, rank, metrics_log, inner, optimizer, scheduler, epoch)
+                if done == todo:
+                    break
+                continue
             terms, w_ret, grad_norm, (a, p, all_docs) = xprt_step(
                 model, frozen, tokenizer, batch, cfg, step, total, rank, world, device, amp, optimizer, scheduler)
             g = len(batch["anchor_text"])
@@ -468,23 +614,12 @@ def train_loop(config: dict) -> None:
             })
             t_last = now
             save = step == total or (every > 0 and step % every == 0)
-            if rank == 0:
-                metrics_log.add(metrics)
-                if step % 10 == 0 or step == 1 or save:
-                    log.info("step %d/%d loss %.4f (xp %.4f cross %.4f self %.4f mlm %.4f unif %.4f ret %.4f x %.1f) "
-                             "p+ %.3f %.2f groups/s", step, total, metrics["loss"], metrics["l_xp"], metrics["l_cross"],
-                             metrics["l_self"], metrics["l_mlm"], metrics["l_unif"], metrics["l_retention"], w_ret,
-                             metrics["p_positive"], metrics["groups_per_s"])
-            if save:
-                if rank == 0:
-                    metrics_log.flush()
-                    with tempfile.TemporaryDirectory() as tmp:
-                        _save_state(inner, optimizer, scheduler, step, epoch, tmp)
-                        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-                else:
-                    ray.train.report(metrics, checkpoint=None)
-            else:
-                ray.train.report(metrics)
+            if rank == 0 and (step % 10 == 0 or step == 1 or save):
+                log.info("step %d/%d loss %.4f (xp %.4f cross %.4f self %.4f mlm %.4f unif %.4f ret %.4f x %.1f) "
+                         "p+ %.3f %.2f groups/s", step, total, metrics["loss"], metrics["l_xp"], metrics["l_cross"],
+                         metrics["l_self"], metrics["l_mlm"], metrics["l_unif"], metrics["l_retention"], w_ret,
+                         metrics["p_positive"], metrics["groups_per_s"])
+            _report(metrics, step, total, every, rank, metrics_log, inner, optimizer, scheduler, epoch)
             if done == todo:
                 break
         if done < todo:
@@ -528,13 +663,15 @@ def storage_args(output: str, endpoint: str = "") -> dict:
     return {"storage_path": output[len("s3://"):], "storage_filesystem": fs}
 
 
-def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
+def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> TrainResult:
     """Run the training job with a validated config.
 
     Args:
-        groups: a committed ``pairmine mine`` run folder (or its ``groups/``), local or s3://.
+        groups: a committed ``pairmine mine`` run folder (or its ``groups/``), local or s3://: the xPRT objective.
         output: folder for checkpoints, metrics.jsonl and export/, local or s3://; an existing one with checkpoints
             is resumed.
+        negatives: instead of ``groups``, a committed ``pairmine negatives`` run: the hard-negative objective
+            (:mod:`pipeline.distill`; seed 004 chapter 3), grouped batches of 1 positive + ``distill.hard_negatives``.
 
     Raises:
         FileNotFoundError, InputError: missing, incomplete or malformed groups, or too few groups for one batch.
@@ -552,10 +689,24 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
 
     t0 = time.time()
     storage = cfg.storage_layer()
-    fs_in, parts, run_dir = find_group_parts(groups, storage)
-    n_groups, n_related = check_group_parts(fs_in, parts)
-    if n_related < 1:
-        raise InputError(f"groups {groups}: the groups have no related passages")
+    teacher, left_out = False, 0
+    if negatives and cfg.train.positives != "xprt":
+        raise ConfigError("train.positives applies to --groups; --negatives trains on the negatives run's own "
+                          "positives")
+    if negatives:
+        groups = negatives
+        fs_in, parts, run_dir = find_group_parts(negatives, storage, folder="negatives")
+        n_pairs, n_groups, teacher = check_negative_parts(fs_in, parts, cfg.distill.hard_negatives)
+        left_out, n_related = n_pairs - n_groups, cfg.distill.hard_negatives
+        log.info("negatives run %s: %d pairs, %d with at least %d negatives (%d left out), teacher scores: %s; "
+                 "L = %g InfoNCE + %g KL, tau %g", run_dir, n_pairs, n_groups, n_related, left_out,
+                 "yes" if teacher else "no (InfoNCE only)", cfg.distill.alpha if teacher else 1.0,
+                 1 - cfg.distill.alpha if teacher else 0.0, cfg.distill.tau)
+    else:
+        fs_in, parts, run_dir = find_group_parts(groups, storage)
+        n_groups, n_related = check_group_parts(fs_in, parts)
+        if n_related < 1:
+            raise InputError(f"groups {groups}: the groups have no related passages")
     check_train_model(cfg)
     description = export_description(cfg, fs_in, run_dir)
     per_epoch = n_groups // cfg.train.batch_size
@@ -579,15 +730,22 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
         raise ConfigError(f"train.batch_size = {cfg.train.batch_size} must divide by the {workers} workers "
                           "(scaling.num_workers)")
     total = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * per_epoch
-    log.info("training on %d groups (%d related passages each) from %s: %d steps of %d groups (%d per epoch), "
-             "%d worker(s) on %s, positives %s; Ray %s", n_groups, n_related, run_dir, total, cfg.train.batch_size,
-             per_epoch, workers, "GPU (nccl)" if use_gpu else "CPU (gloo)", cfg.train.positives, where)
+    what = (f"1 positive + {n_related} hard negatives each, objective InfoNCE{' + KL' if teacher else ''}"
+            if negatives else f"{n_related} related passages each, positives {cfg.train.positives}")
+    log.info("training on %d groups (%s) from %s: %d steps of %d groups (%d per epoch), %d worker(s) on %s; Ray %s",
+             n_groups, what, run_dir, total, cfg.train.batch_size, per_epoch, workers,
+             "GPU (nccl)" if use_gpu else "CPU (gloo)", where)
 
     url = fs_in.unstrip_protocol if "://" in groups else (lambda p: p)
-    columns = list(REQUIRED_COLUMNS)
+    columns = list(REQUIRED_COLUMNS) if not negatives else (
+        ["doc_id", "query", "positive", "negatives"]
+        + (["positive_teacher_score", "negative_teacher_scores"] if teacher else []))
     ds = ray.data.read_parquet(parts if "://" in groups else [url(p) for p in parts], columns=columns,
                                **({"filesystem": fs_in} if "://" in groups else {}))
-    if cfg.train.positives == "random":
+    if negatives:
+        h = cfg.distill.hard_negatives
+        ds = ds.filter(lambda row: row["negatives"] is not None and len(row["negatives"]) >= h)
+    elif cfg.train.positives == "random":
         from pairmine.pipeline.positives import with_random_positives
 
         try:
@@ -611,6 +769,9 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "config": cfg.to_dict(),
         "groups": {"path": groups, "run": url(run_dir), "parts": len(parts), "groups": n_groups, "related": n_related},
+        "objective": "negatives" if negatives else "xprt",
+        **({"negatives": {"pairs_left_out": left_out, "hard_negatives": cfg.distill.hard_negatives,
+                          "teacher": teacher}} if negatives else {}),
         "resolved": {"workers": workers, "cpus_per_worker": cpus, "device": "cuda" if use_gpu else "cpu",
                      "backend": "nccl" if use_gpu else "gloo", "total_steps": total, "steps_per_epoch": per_epoch, "passage_prefix": cfg.resolved_prefix(),
                      "export_description": description.to_json(), "ray": where},
@@ -624,6 +785,7 @@ def train(cfg: TrainConfig, groups: str, output: str) -> TrainResult:
         train_loop,
         train_loop_config={"cfg": cfg.to_dict(), "total_steps": total, "steps_per_epoch": per_epoch, "output": output,
                            "cpus_per_worker": cpus, "description": description.to_json(),
+                           "objective": "negatives" if negatives else "xprt", "teacher": teacher,
                            "storage": storage},  # the Storage object: its repr never shows credentials
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),

@@ -67,6 +67,20 @@ class LossSection:
 
 
 @dataclass
+class DistillSection:
+    """``pairmine train --negatives``: E5's second stage on mined hard negatives (seed 004, chapter 3)."""
+
+    hard_negatives: int = _f(7, "H, mined negatives per group in a batch (G groups x (1 positive + H)); pairs with "
+                             "fewer are left out and counted (seed 004's example: G = 64, H = 7)")
+    alpha: float = _f(0.5, "L = alpha * InfoNCE + (1 - alpha) * KL(teacher || student); 1: InfoNCE only. Without "
+                      "teacher scores in the negatives run, InfoNCE only (not given by the seed: our default; alpha "
+                      "> 0 keeps the in-batch negatives, which the teacher never scored)")
+    tau: float = _f(0.01, "temperature of both terms (E5's 0.01; seed 004's worked example)")
+    query_prefix: str | None = _f(None, 'text put before every query; None: from the model (its pairmine_model.json, '
+                                  'else "query: " for E5, else "")')
+
+
+@dataclass
 class ScalingSection:
     num_workers: int = _f(0, "training workers (DDP ranks); 0: one per GPU when the cluster has GPUs, else 2")
     device: str = _f("auto", "auto | cpu | cuda; auto: cuda when the cluster has GPUs (nccl), else cpu (gloo)")
@@ -97,6 +111,7 @@ class TrainRaySection:
 class TrainConfig(Sections):
     train: TrainSection = field(default_factory=TrainSection)
     loss: LossSection = field(default_factory=LossSection)
+    distill: DistillSection = field(default_factory=DistillSection)
     scaling: ScalingSection = field(default_factory=ScalingSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     ray: TrainRaySection = field(default_factory=TrainRaySection)
@@ -117,6 +132,12 @@ class TrainConfig(Sections):
         if self.train.passage_prefix is not None:
             return self.train.passage_prefix
         return self.model_description().passage_prefix
+
+    def resolved_query_prefix(self) -> str:
+        """``distill.query_prefix``, else the starting encoder's query prefix."""
+        if self.distill.query_prefix is not None:
+            return self.distill.query_prefix
+        return self.model_description().query_prefix
 
     def validate(self) -> "TrainConfig":
         """Check ranges and choices. Raises ConfigError naming the field."""
@@ -142,6 +163,9 @@ class TrainConfig(Sections):
             ("loss.unif_t", lo.unif_t > 0, "> 0"),
             *[(f"loss.{w}", getattr(lo, w) >= 0, ">= 0") for w in
               ("w_xp", "w_cross", "w_self", "w_mlm", "w_unif", "retention_start", "retention_end")],
+            ("distill.hard_negatives", self.distill.hard_negatives >= 1, ">= 1"),
+            ("distill.alpha", 0 <= self.distill.alpha <= 1, "in [0, 1]"),
+            ("distill.tau", self.distill.tau > 0, "> 0"),
             ("scaling.num_workers", sc.num_workers >= 0, ">= 0"),
             ("scaling.device", sc.device in ("auto", "cpu", "cuda"), "one of auto, cpu, cuda"),
             ("scaling.cpus_per_worker", sc.cpus_per_worker >= 0, ">= 0"),

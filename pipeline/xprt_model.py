@@ -128,9 +128,12 @@ class XPRTModel(nn.Module):
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (batch, seq, dim)
         return mean_pool(hidden, attention_mask)  # (batch, dim)
 
-    def forward(self, enc_ids: torch.Tensor, attention_mask: torch.Tensor, enc_chosen: torch.Tensor,
-                labels: torch.Tensor, dec_ids: torch.Tensor, dec_chosen: torch.Tensor, groups: int) -> XPRTOutput:
-        """All encoder and decoder passes of one batch.
+    def forward(self, enc_ids: torch.Tensor, attention_mask: torch.Tensor, enc_chosen: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, dec_ids: torch.Tensor | None = None,
+                dec_chosen: torch.Tensor | None = None, groups: int = 0) -> XPRTOutput | torch.Tensor:
+        """All encoder and decoder passes of one batch; with ``enc_chosen`` None, the encoder's mean-pooled vectors
+        only ((rows, dim), not normalised: the hard-negative objective, which needs no decoder), so that DDP sees
+        every step's forward.
 
         Args:
             enc_ids: (P * G, seq) 15%-masked passages, passage-major: rows [0:G] anchors, [G:2G] positives (s1, or
@@ -142,6 +145,8 @@ class XPRTModel(nn.Module):
             dec_chosen: (P * G, seq) bool, the decoder's masked positions.
             groups: G, the number of groups in the batch (P = rows / G passages per group).
         """
+        if enc_chosen is None:
+            return self.embed(enc_ids, attention_mask)
         rows, seq = enc_ids.shape
         n_rel = rows // groups - 1  # related passages per group (4)
         hidden = self.encoder(input_ids=enc_ids, attention_mask=attention_mask).last_hidden_state  # (rows, seq, dim)

@@ -51,6 +51,9 @@ def test_rank_window_and_drop_reasons_by_hand():
     assert kept == [2, 3]
     # Every retrieved candidate is kept or counted once.
     assert len(kept) + sum(drops.values()) == 7
+    # A passage with the query's own text (row 2 here) is not a negative of it.
+    kept, drops = select_negatives(ids, scores, text_hashes, doc_hashes, **window, query_text_hash=20)
+    assert kept == [4, 5] and drops["query_duplicate"] == 1
 
 
 def test_approximate_indexes_report_their_recall_against_exact_search():
@@ -90,12 +93,20 @@ def tiny_teacher(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_negatives_of_a_mine_run_with_a_teacher(tiny_run, tiny_teacher, tmp_path):
+@pytest.fixture(scope="module")
+def teacher_run(tiny_run, tiny_teacher, tmp_path_factory):
+    """Negatives of the tiny mine run's groups, searched in its own input with HNSW, scored by the tiny teacher."""
     run_dir, _ = tiny_run
-    proc = _cli("--input", str(run_dir), "--corpus", str(run_dir), "--output", str(tmp_path), "--run-id", "neg",
+    tmp = tmp_path_factory.mktemp("negatives")
+    proc = _cli("--input", str(run_dir), "--corpus", str(run_dir), "--output", str(tmp), "--run-id", "neg",
                 "--teacher", tiny_teacher, "--set", "negatives.index=hnsw")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = tmp_path / "neg"
+    return tmp / "neg", proc
+
+
+def test_negatives_of_a_mine_run_with_a_teacher(tiny_run, tiny_teacher, teacher_run):
+    run_dir, _ = tiny_run
+    out, proc = teacher_run
     assert (out / "_SUCCESS").exists() and sorted(p.name for p in (out / "negatives").iterdir()) == ["part-00000.parquet"]
     stats = json.loads((out / "stats.json").read_text())
     groups = pq.read_table(run_dir / "groups").to_pylist()
@@ -130,6 +141,25 @@ def test_negatives_of_a_mine_run_with_a_teacher(tiny_run, tiny_teacher, tmp_path
     first = rows[0]
     expected = teacher.score([first["query"]] * 8, [first["positive"], *first["negatives"]])
     assert np.allclose([first["positive_teacher_score"], *first["negative_teacher_scores"]], expected, atol=1e-4)
+
+
+def test_train_on_negatives_with_teacher_scores(teacher_run, tiny_model_dir, tmp_path):
+    """pairmine train --negatives: grouped batches (G x (1 + H)), alpha InfoNCE + (1 - alpha) KL, on Ray Train."""
+    out, _ = teacher_run
+    proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "train", "--negatives", str(out), "--output",
+                           str(tmp_path / "train"), "--model", tiny_model_dir, "--set", "scaling.num_workers=2",
+                           "--set", "train.batch_size=4", "--set", "train.max_steps=2", "--set", "train.max_length=64",
+                           "--set", "distill.alpha=0.25"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "teacher scores: yes" in proc.stderr and "1 positive + 7 hard negatives each" in proc.stderr
+    metrics = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["l_kl"] > 0 and m["l_nce"] > 0 and m["groups"] == 4
+        assert m["loss"] == pytest.approx(0.25 * m["l_nce"] + 0.75 * m["l_kl"], abs=2e-5)
+    manifest = json.loads((tmp_path / "train" / "train_manifest.json").read_text())
+    assert manifest["objective"] == "negatives" and manifest["negatives"]["teacher"] is True
+    assert (tmp_path / "train" / "export" / "config.json").exists()
 
 
 def test_bad_input_is_one_line(tiny_run, tmp_path):
