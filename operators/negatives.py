@@ -299,6 +299,7 @@ class NegativesWriter:
 
         stats = Counter()
         stats["pairs_in"] = batch.num_rows
+        stats["pairs_text_repaired"] = int(batch.column("text_repaired").to_numpy(zero_copy_only=False).sum())
         for r in batch.column("skip_reason").to_pylist():
             if r is not None:
                 stats[f"pairs_skipped.{r}"] += 1

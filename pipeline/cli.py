@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import sys
 import textwrap
 
@@ -224,8 +225,8 @@ what it does (seed 004, chapter 3; SPEC "Hard negatives and distillation"):
   drop is counted by reason in stats.json. With --teacher, a cross-encoder scores (query, positive) and every
   (query, negative) once, and the scores are stored beside the negatives.
 
-input: a pairmine mine run folder (query = anchor, positive = s1; its embed settings are used unless embed.model is
-set), a filter-pairs run folder, or parquet/JSONL pairs ([input] query_column, passage_column, pair_id_column).
+input: a pairmine mine run folder (query = anchor, positive = s1), a filter-pairs run folder (a run's own embed
+settings are used unless embed.model is set), or parquet/JSONL pairs ([input] query_column, passage_column, pair_id_column).
 corpus: documents (parquet/JSONL; [input] text_column and id_column; chunked with [chunk]) or a mine run folder
 (its input, chunked with that run's settings).
 
@@ -585,11 +586,30 @@ def user_error(e: BaseException) -> str | None:
     from pairmine.pipeline.ray_adapter import PlanError, StallError
     from pairmine.pipeline.xprt_model import UnsupportedModelError
 
-    cause = getattr(e, "cause", None) or e
-    if isinstance(cause, (ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError,
-                          PermissionError, StorageError, EvalInputError, UnsupportedModelError, PlanError, StallError)):
-        return str(cause)
-    return None
+    known = (ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError, PermissionError,
+             StorageError, EvalInputError, UnsupportedModelError, PlanError, StallError)
+    # Ray wraps a task's error once (RayTaskError.cause) or twice (Ray Data's UserCodeException around the UDF's
+    # error, as __cause__): follow the whole chain.
+    seen, todo = set(), [e]
+    while todo:
+        err = todo.pop(0)
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, known):
+            return str(err)
+        todo += [getattr(err, "cause", None), err.__cause__]
+    # Ray Data re-raises an operator's error as a UserCodeException that keeps only the remote traceback's text:
+    # a known error is recognised there by its class name, and its message is the rest of that line.
+    # Only pairmine's own error classes, named with their module, in errors that came from a Ray task.
+    from ray.exceptions import RayError
+
+    if not isinstance(e, RayError):
+        return None
+    names = "|".join(sorted({cls.__name__ for cls in known if cls.__module__.startswith("pairmine.")}
+                            | {"ColumnTypeError"}))
+    found = re.search(rf"^pairmine\.[\w.]+\.(?:{names}): (.+)$", str(e), re.MULTILINE)
+    return found.group(1) if found else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -600,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    # faiss's loader logs a failed optional import (its AVX2 build) at INFO, which reads like an error.
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

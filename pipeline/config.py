@@ -318,7 +318,7 @@ class NegativesConfig(MineConfig):
             ("negatives.relative_margin", n.relative_margin is None or n.relative_margin > 0, "> 0 or none"),
             ("negatives.index", n.index in ("flat", "ivf", "hnsw"), "one of flat, ivf, hnsw"),
             ("negatives.nprobe", n.nprobe >= 1, ">= 1"),
-            ("negatives.ef_search", n.ef_search >= n.depth, ">= negatives.depth"),
+            ("negatives.ef_search", n.index != "hnsw" or n.ef_search >= n.depth, ">= negatives.depth with index hnsw"),
             ("negatives.recall_probes", n.recall_probes >= 1, ">= 1"),
             ("negatives.teacher_max_length", n.teacher_max_length >= 8, ">= 8"),
             ("negatives.teacher_batch_size", n.teacher_batch_size >= 1, ">= 1"),

@@ -55,13 +55,29 @@ def _run_manifest(path: str, storage) -> dict | None:
     return json.loads(storage.read_bytes(f"{path}/manifest.json"))
 
 
-def _layout(shard: Shard, storage) -> list[int]:
-    """Rows per parquet row group of a shard (one entry for JSONL, counted by reading it)."""
+def _refuse_uncommitted(path: str, flag: str, storage) -> None:
+    """A pairmine run folder (``groups/`` or ``pairs/`` inside) without ``_SUCCESS`` is an unfinished run: refused
+    with that said, rather than read as a folder of data files. Raises InputError."""
+    if (storage.info(path) or {}).get("type") != "directory" or storage.exists(f"{path}/{SUCCESS_MARKER}"):
+        return
+    for folder in ("groups", "pairs"):
+        if storage.exists(f"{path}/{folder}"):
+            raise InputError(f"{flag} {path} is a pairmine run folder without {SUCCESS_MARKER}: the run is not "
+                             "complete; finish it (the same command with its --run-id) or give a committed run")
+
+
+def _layout(shard: Shard, storage, columns: tuple[str, str, str] | None = None) -> list[int]:
+    """Rows per parquet row group of a shard (one entry for JSONL, counted by reading it). With ``columns``
+    (query, passage, pair id), a JSONL file of pairs is decoded as the read stage will decode it, so that a
+    record of the wrong type is refused here, before any work (parquet types are checked from the footers)."""
     import pyarrow.parquet as pq
 
+    from pairmine.operators.pairs import read_pair_columns
     from pairmine.operators.read import open_input, read_jsonl_records
 
     if shard.format != "parquet":
+        if columns is not None:
+            return [len(read_pair_columns(shard.path, "jsonl", -1, *columns, storage)[0])]
         return [len(read_jsonl_records(shard.path, storage))]
 
     def footer():
@@ -82,15 +98,17 @@ def resolve_input(cfg: NegativesConfig, storage) -> tuple[str, list[Shard]]:
     """
     if not cfg.input.path:
         raise ConfigError("negatives needs --input: a pairmine mine run, a filter-pairs run, or parquet/JSONL pairs")
-    run = _run_manifest(cfg.input.path, storage)
     root = cfg.input.path.rstrip("/")
-    if run is not None and storage.exists(f"{root}/groups"):
+    _refuse_uncommitted(root, "--input", storage)
+    run = _run_manifest(cfg.input.path, storage)
+    if run is not None:
         embed = (run.get("config") or {}).get("embed") or {}
         if not cfg.embed.model and embed.get("model"):
             for key in ("model", "passage_prefix", "query_prefix", "max_length", "dtype", "trust_remote_code"):
                 if key in embed:
                     cfg.set(f"embed.{key}", embed[key])
-            log.info("embedding with the run's own embed settings: %s", embed.get("model"))
+            log.info("embedding with the input run's own embed settings: %s", embed.get("model"))
+    if run is not None and storage.exists(f"{root}/groups"):
         shards = discover_shards(f"{root}/groups", "parquet", storage)
         check_parquet_shards(shards, ("anchor_text", "group_id", "doc_id"), storage)
         return "groups", shards
@@ -113,6 +131,7 @@ def resolve_corpus(cfg: NegativesConfig, storage) -> tuple[list[Shard], str, str
     n = cfg.negatives
     if not n.corpus:
         raise ConfigError("negatives needs --corpus: documents (parquet/JSONL) or a pairmine mine run folder")
+    _refuse_uncommitted(n.corpus.rstrip("/"), "--corpus", storage)
     run = _run_manifest(n.corpus, storage)
     if run is not None and run.get("inputs"):
         config = run.get("config") or {}
@@ -239,8 +258,14 @@ def check_teacher(path: str) -> None:
     Raises:
         ConfigError: naming negatives.teacher.
     """
+    import os
+
     from transformers import AutoConfig
 
+    if (path.startswith((".", "/", "~")) or os.sep in path and path.count("/") != 1) and not os.path.exists(
+            os.path.expanduser(path)):
+        raise ConfigError(f"negatives.teacher = {path!r} does not exist (a local folder, or a hub id in the local "
+                          "Hugging Face cache)")
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # transformers raises OSError/ValueError/HF errors depending on the cause
@@ -293,6 +318,18 @@ def negatives(cfg: NegativesConfig) -> MineResult:
              len(shards), "a mine run's groups: anchor -> s1" if kind == "groups" else "pairs", n.corpus,
              len(corpus_shards), where)
 
+    # ---- the pairs' layout (JSONL pairs decoded and type-checked here, before the corpus work) ----------------------
+    columns = (cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column) if kind == "pairs" else None
+    layouts = run_remote(_layout, [(s, storage, columns) for s in shards])
+    units, expected = [], 0
+    for shard, layout in zip(shards, layouts):
+        offset = 0
+        for g, rows in enumerate(layout):
+            units.append({"shard_index": shard.index, "path": shard.path, "format": shard.format,
+                          "row_group": g if shard.format == "parquet" else -1, "row_offset": offset, "duplicate_rows": []})
+            offset += rows
+        expected += offset
+
     # ---- corpus: chunk, embed, index --------------------------------------------------------------------------------
     t_corpus = time.time()
     scans = run_remote(scan_shard, [(s, text_column, id_column, 0, 0, 1.0, spec, storage) for s in corpus_shards])
@@ -303,6 +340,10 @@ def negatives(cfg: NegativesConfig) -> MineResult:
             passages.append(p)
             doc_hashes.append(h)
     del scans
+    if len(passages) < n.rank_start:
+        raise InputError(f"negatives.corpus {n.corpus} has {len(passages)} usable passage(s), fewer than "
+                         f"negatives.rank_start = {n.rank_start}: no candidate could reach the rank window; give a "
+                         "larger corpus or lower negatives.rank_start")
     corpus_texts: list[str] = []
     embed_stage = Stage("embed", partial(_make_corpus_embed, cfg, threads, device), batch_size=cfg.ray.docs_per_batch,
                         actors=actors, num_cpus=embed_cpus, num_gpus=embed_gpus)
@@ -323,15 +364,6 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     del vectors, index, corpus_texts
 
     # ---- the streaming pass -----------------------------------------------------------------------------------------
-    layouts = run_remote(_layout, [(s, storage) for s in shards])
-    units, expected = [], 0
-    for shard, layout in zip(shards, layouts):
-        offset = 0
-        for g, rows in enumerate(layout):
-            units.append({"shard_index": shard.index, "path": shard.path, "format": shard.format,
-                          "row_group": g if shard.format == "parquet" else -1, "row_offset": offset, "duplicate_rows": []})
-            offset += rows
-        expected += offset
     staging = f"{run_dir}/_staging"
     storage.rm(staging)  # leftovers of an interrupted attempt of this run id
     storage.makedirs(run_dir)
@@ -370,6 +402,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
         "pairs_in": pairs_in,
         "pairs_skipped": skipped,
         "pairs_out": pairs_out,
+        "pairs_text_repaired": int(total.get("pairs_text_repaired", 0)),
         "pairs_without_negatives": int(total["pairs_without_negatives"]),
         "negatives": kept,
         "negatives_per_pair": round(kept / pairs_out, 4) if pairs_out else 0.0,

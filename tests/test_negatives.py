@@ -162,7 +162,7 @@ def test_train_on_negatives_with_teacher_scores(teacher_run, tiny_model_dir, tmp
     assert (tmp_path / "train" / "export" / "config.json").exists()
 
 
-def test_bad_input_is_one_line(tiny_run, tmp_path):
+def test_bad_input_is_one_line(tiny_run, tiny_model_dir, tmp_path):
     run_dir, _ = tiny_run
     proc = _cli("--input", str(run_dir), "--corpus", str(tmp_path / "nowhere"), "--output", str(tmp_path))
     assert proc.returncode == 2 and "pairmine: error: negatives.corpus (--corpus): input" in proc.stderr
@@ -170,7 +170,26 @@ def test_bad_input_is_one_line(tiny_run, tmp_path):
     assert proc.returncode == 2 and "negatives.rank_start = 0 is not allowed" in proc.stderr
     proc = _cli("--input", str(run_dir), "--corpus", str(run_dir), "--teacher", str(tmp_path / "no-model"),
                 "--output", str(tmp_path))
-    assert proc.returncode == 2 and "negatives.teacher" in proc.stderr
+    assert proc.returncode == 2 and f"negatives.teacher = '{tmp_path / 'no-model'}' does not exist" in proc.stderr
+    # An unfinished run as input is named as such.
+    (tmp_path / "unfinished" / "groups").mkdir(parents=True)
+    proc = _cli("--input", str(tmp_path / "unfinished"), "--corpus", str(run_dir), "--output", str(tmp_path))
+    assert proc.returncode == 2 and "is a pairmine run folder without _SUCCESS" in proc.stderr
+    # A corpus too small to reach the rank window is refused before embedding it.
+    docs = pq.read_table(json.loads((run_dir / "manifest.json").read_text())["inputs"][0]["path"],
+                         columns=["id", "text"])
+    pq.write_table(docs.slice(0, 1), tmp_path / "one-doc.parquet")
+    n = len(chunk_text(docs.column("text")[0].as_py()).passages)
+    proc = _cli("--input", str(run_dir), "--corpus", str(tmp_path / "one-doc.parquet"), "--output", str(tmp_path),
+                "--set", f"negatives.rank_start={n + 1}", "--set", f"negatives.rank_end={n + 1}")
+    assert proc.returncode == 2 and f"has {n} usable passage(s), fewer than negatives.rank_start" in proc.stderr
+    # A query that is a JSON number, found by a Ray worker mid-run: one error line, not a remote traceback.
+    (tmp_path / "pairs.jsonl").write_text('{"query": "q", "passage": "p"}\n{"query": 123, "passage": "p"}\n')
+    proc = _cli("--input", str(tmp_path / "pairs.jsonl"), "--corpus", str(tmp_path / "one-doc.parquet"), "--output",
+                str(tmp_path), "--set", f"embed.model={tiny_model_dir}", "--set", "negatives.rank_start=1",
+                "--set", "negatives.rank_end=1", "--set", "negatives.depth=1")
+    assert proc.returncode == 2 and "pairmine: error: " in proc.stderr and "holds a JSON number" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_the_window_holds_fewer_judged_relevant_passages_than_the_top_of_the_list(tmp_path):
