@@ -590,15 +590,23 @@ def user_error(e: BaseException) -> str | None:
              StorageError, EvalInputError, UnsupportedModelError, PlanError, StallError)
     # Ray wraps a task's error once (RayTaskError.cause) or twice (Ray Data's UserCodeException around the UDF's
     # error, as __cause__): follow the whole chain.
-    seen, todo = set(), [e]
-    while todo:
-        err = todo.pop(0)
-        if err is None or id(err) in seen:
-            continue
+    # The innermost known error wins: a RayTaskError is itself an instance of its cause's class, and its own text is
+    # the remote traceback.
+    seen: set[int] = set()
+
+    def innermost(err) -> str | None:
+        if not isinstance(err, BaseException) or id(err) in seen:
+            return None
         seen.add(id(err))
-        if isinstance(err, known):
-            return str(err)
-        todo += [getattr(err, "cause", None), err.__cause__]
+        for inner in (getattr(err, "cause", None), err.__cause__):
+            found = innermost(inner)
+            if found is not None:
+                return found
+        return str(err) if isinstance(err, known) else None
+
+    message = innermost(e)
+    if message is not None:
+        return message
     # Ray Data re-raises an operator's error as a UserCodeException that keeps only the remote traceback's text:
     # a known error is recognised there by its class name, and its message is the rest of that line.
     # Only pairmine's own error classes, named with their module, in errors that came from a Ray task.
