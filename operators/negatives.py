@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from pairmine.operators.chunk import normalise_passage
 from pairmine.operators.consistency import doc_hash
+from pairmine.operators.pairs import _matrix
 from pairmine.operators.read import open_input
 from pairmine.operators.storage import LOCAL, Storage
 
@@ -180,7 +181,7 @@ class SearchNegatives:
         ranks: list = [None] * n
         scores: list = [None] * n
         drops = Counter()
-        if len(rows) and index.ntotal:
+        if len(rows):  # the driver refuses an empty corpus, so the index is never empty
             q = _matrix(batch.column("query_vector"))[rows]  # (usable, dim)
             p = _matrix(batch.column("passage_vector"))[rows]  # (usable, dim)
             found_scores, found_ids = index.search(np.ascontiguousarray(q, np.float32), min(self.depth, index.ntotal))
@@ -199,22 +200,12 @@ class SearchNegatives:
                 negs[r] = texts.take(pa.array(ids, pa.int64())).to_pylist()
                 ranks[r] = [int(x) + 1 for x in kept]
                 scores[r] = found_scores[k][kept].astype(np.float32).tolist()
-        elif len(rows):
-            q, p = _matrix(batch.column("query_vector"))[rows], _matrix(batch.column("passage_vector"))[rows]
-            pos_score[rows] = np.sum(q * p, axis=1)
-            for r in rows.tolist():
-                negs[r], ranks[r], scores[r] = [], [], []
         out = batch.drop_columns(["query_vector", "passage_vector"])
         out = out.append_column("positive_score", pa.array(pos_score, mask=~ok))
         out = out.append_column("negatives", pa.array(negs, pa.list_(pa.string())))
         out = out.append_column("negative_ranks", pa.array(ranks, pa.list_(pa.int32())))
         out = out.append_column("negative_scores", pa.array(scores, pa.list_(pa.float32())))
         return out.append_column("drops", pa.array([json.dumps(dict(drops))] + [None] * (n - 1), pa.string()))
-
-
-def _matrix(column) -> np.ndarray:
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    return arr.flatten().to_numpy(zero_copy_only=False).reshape(len(arr), arr.type.list_size)
 
 
 class TeacherScores:

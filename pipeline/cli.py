@@ -148,11 +148,9 @@ def cmd_train(args) -> int:
     from pairmine.pipeline.train import train
     from pairmine.pipeline.train_config import load_train_config
 
-    overrides = list(args.overrides)
-    for flag, key in ((args.positives, "train.positives"), (args.model, "train.model"), (args.ray_address, "ray.address")):
-        if flag:
-            overrides.append(f"{key}={flag}")
-    result = train(load_train_config(args.config, overrides), args.groups or "", args.output, args.negatives or "")
+    cfg = _load(args, ((args.positives, "train.positives"), (args.model, "train.model"),
+                       (args.ray_address, "ray.address")), load_train_config)
+    result = train(cfg, args.groups or "", args.output, args.negatives or "")
     m = result.metrics or {}
     terms = (f"InfoNCE {m.get('l_nce')}, KL {m.get('l_kl')}" if args.negatives else f"L_xp {m.get('l_xp')}")
     print(f"output: {result.output}\nsteps: {result.steps}; last loss {m.get('loss')} ({terms}, "
@@ -272,13 +270,10 @@ def cmd_negatives(args) -> int:
     from pairmine.pipeline.config import load_negatives_config
     from pairmine.pipeline.negatives import negatives
 
-    overrides = list(args.overrides)
-    for flag, key in ((args.input, "input.path"), (args.corpus, "negatives.corpus"), (args.output, "output.path"),
-                      (args.run_id, "output.run_id"), (args.ray_address, "ray.address"),
-                      (args.teacher, "negatives.teacher")):
-        if flag:
-            overrides.append(f"{key}={flag}")
-    result = negatives(load_negatives_config(args.config, overrides))
+    cfg = _load(args, ((args.input, "input.path"), (args.corpus, "negatives.corpus"), (args.output, "output.path"),
+                       (args.run_id, "output.run_id"), (args.ray_address, "ray.address"),
+                       (args.teacher, "negatives.teacher")), load_negatives_config)
+    result = negatives(cfg)
     s = result.stats
     drops = ", ".join(f"{k} {v}" for k, v in s["negatives_dropped"].items() if v)
     print(f"run folder: {result.run_dir}\n"
@@ -299,14 +294,17 @@ def _common_args(p: argparse.ArgumentParser) -> None:
                    "local Ray). Same as ray.address")
 
 
-def _load(args, flags) -> "object":
+def _load(args, flags, loader=None) -> "object":
+    """The validated config of a command: ``--config``, then ``--set``, then each given flag as ``key=value``
+    (``flags``: (flag value, config key) pairs; None/False flags are skipped). ``loader``: the config's loader
+    (default: mine's ``load_config``)."""
     from pairmine.pipeline.config import load_config
 
     overrides = list(args.overrides)
     for flag, key in flags:
         if flag:
             overrides.append(f"{key}={flag}")
-    return load_config(args.config, overrides)
+    return (loader or load_config)(args.config, overrides)
 
 
 def cmd_filter_pairs(args) -> int:

@@ -203,8 +203,8 @@ def with_random_positives(groups_ds, manifest: dict, storage, seed: int, num_par
     config = manifest.get("config") or {}
     input_cfg, chunk_cfg = config.get("input") or {}, config.get("chunk") or {}
     units = input_units(inputs, storage)
-    docs = ray.data.from_items(units).map_batches(
-        lambda b: _DocumentPassages(input_cfg, chunk_cfg, storage)(b), batch_size=1, batch_format="pyarrow")
+    docs = ray.data.from_items(units, override_num_blocks=max(1, len(units))).map_batches(
+        _DocumentPassages(input_cfg, chunk_cfg, storage), batch_size=1, batch_format="pyarrow")
     rows = groups_ds.map_batches(_group_rows, batch_format="pyarrow").union(docs)
     return rows.groupby("doc_id", num_partitions=num_partitions).map_groups(
         lambda b: draw_random_positives(b, seed), batch_format="pyarrow")
