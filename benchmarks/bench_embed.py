@@ -29,11 +29,18 @@ def sample_passages(path: str) -> list[str]:
 
     from pairmine.operators.chunk import chunk_text
     from pairmine.operators.read import ReadDocuments
-    from pairmine.pipeline.inputs import discover_shards, duplicate_rows, scan_shard, work_units
+    import tempfile
+
+    from pairmine.operators.storage import LOCAL
+    from pairmine.pipeline.first_pass import ScanParams, first_pass
+    from pairmine.pipeline.inputs import check_parquet_shards, discover_shards
 
     shards = discover_shards(path)
-    scans = [scan_shard(s, "text", "id", 1, 0) for s in shards]
-    docs = ReadDocuments()(pa.Table.from_pylist(work_units(shards, scans, duplicate_rows(scans))))
+    layout: dict = {}
+    check_parquet_shards(shards, ("text", "id"), layout=layout)
+    first = first_pass(shards, layout, ScanParams("text", "id", 1, 0, 1.0, None, LOCAL), tempfile.mkdtemp(),
+                       in_process=True)
+    docs = ReadDocuments()(pa.Table.from_pylist(first.units))
     texts = [t for t, r in zip(docs.column("text").to_pylist(), docs.column("skip_reason").to_pylist()) if r is None]
     return [p for t in texts for p in chunk_text(t).passages]
 

@@ -16,6 +16,7 @@ from the file's first bytes, whatever its name.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import re
 from dataclasses import dataclass
@@ -54,7 +55,8 @@ UNIT_SCHEMA = pa.schema(
         ("format", pa.string()),
         ("row_group", pa.int32()),  # -1: the whole file
         ("row_offset", pa.int64()),  # row index (in the shard) of the unit's first row
-        ("duplicate_rows", pa.list_(pa.int64())),  # row indices (in the shard) whose id appeared earlier in the run
+        # "" or a .npy file of row indices (in the shard) whose id appeared earlier in the run (pipeline.first_pass)
+        ("duplicates", pa.string()),
     ]
 )
 
@@ -460,6 +462,7 @@ class ReadDocuments:
                  storage: Storage = LOCAL):
         self.text_column, self.id_column, self.url_column = text_column, id_column, url_column
         self.storage = storage
+        self._dup_cache: dict[str, np.ndarray] = {}
 
     def _read_parquet_unit(self, path: str, row_group: int) -> pa.Table:
         with open_input(path, self.storage) as f:
@@ -469,6 +472,17 @@ class ReadDocuments:
             check_column_types(path, pf.schema_arrow, (self.text_column,), (self.id_column,))
             cols = [self.text_column, self.id_column] + ([self.url_column] if self.url_column in names else [])
             return pf.read_row_group(row_group, columns=cols) if row_group >= 0 else pf.read(columns=cols)
+
+    def _duplicates(self, path: str) -> np.ndarray:
+        """A shard's duplicate rows (int64, sorted), loaded once per file by this operator."""
+        if not path:
+            return np.zeros(0, np.int64)
+        if path not in self._dup_cache:
+            data = self.storage.read_bytes(path)
+            if len(self._dup_cache) >= 4:
+                self._dup_cache.pop(next(iter(self._dup_cache)))
+            self._dup_cache[path] = np.load(io.BytesIO(data), allow_pickle=False)
+        return self._dup_cache[path]
 
     def read_unit(self, unit: dict) -> pa.Table:
         path = unit["path"]
@@ -480,7 +494,7 @@ class ReadDocuments:
             cols = parquet_document_columns(path, table, self.text_column, self.id_column, self.url_column)
         n = len(cols.ids)
         row_index = np.arange(unit["row_offset"], unit["row_offset"] + n, dtype=np.int64)
-        duplicate = np.isin(row_index, np.asarray(unit["duplicate_rows"] or [], dtype=np.int64))
+        duplicate = np.isin(row_index, self._duplicates(unit.get("duplicates") or ""))
         reasons = skip_reasons(cols.ids, cols.texts, duplicate, cols.invalid)
         # Skipped documents keep their row (to be counted) but not their text.
         texts = pc.if_else(pc.is_null(reasons), cols.texts, pa.scalar(None, pa.string()))

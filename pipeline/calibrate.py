@@ -80,14 +80,19 @@ def sample_texts(path: str, text_column: str, id_column: str, sample_docs: int, 
         FileNotFoundError, InputError, MissingColumnError, StorageError: as ``pairmine mine`` for the same input.
     """
     from pairmine.operators.storage import LOCAL
-    from pairmine.pipeline.inputs import check_parquet_shards, discover_shards, sample_cut, scan_shard, tfidf_sample
+    from pairmine.pipeline.inputs import check_parquet_shards, discover_shards, sample_cut, scan_shard
 
     storage = storage or LOCAL  # local paths, or s3:// with the standard AWS environment
     shards = discover_shards(path, fmt, storage)
-    known_rows = check_parquet_shards(shards, (text_column, id_column), storage)
+    layout: dict[int, list[int]] = {}
+    known_rows = check_parquet_shards(shards, (text_column, id_column), storage, layout=layout)
     cut = sample_cut(sample_docs, known_rows)
-    scans = [scan_shard(s, text_column, id_column, sample_docs, seed, cut, storage=storage) for s in shards]
-    return tfidf_sample(scans, sample_docs)
+    merged = []  # per unit (row group or JSONL file) as the mining job's first pass (pipeline.first_pass)
+    for s in shards:
+        for rg in (range(len(layout.get(s.index, []))) if s.format == "parquet" else [-1]):
+            scan = scan_shard(s, text_column, id_column, sample_docs, seed, cut, storage=storage, row_group=rg)
+            merged.extend((p, s.index, rg, t) for p, t in scan.sample)
+    return [t for *_, t in sorted(merged)[:sample_docs]]
 
 
 def embed_documents(texts: list[str], cfg, embedder=None) -> list[EmbeddedDoc]:

@@ -169,7 +169,7 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         offset = 0
         for g, rows in enumerate(layout):
             units.append({"shard_index": shard.index, "path": shard.path, "format": shard.format,
-                          "row_group": g if shard.format == "parquet" else -1, "row_offset": offset, "duplicate_rows": []})
+                          "row_group": g if shard.format == "parquet" else -1, "row_offset": offset, "duplicates": ""})
             offset += rows
     # Pool passages are keyed by their text in filter-pairs: a passage that appears several times (in several pairs
     # or documents) enters the pool once, and the pair's own passage never counts against it.

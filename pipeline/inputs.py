@@ -2,8 +2,9 @@
 seeded sample of the corpus).
 
 ``discover_shards`` turns ``--input`` (file, folder or glob; local or any fsspec URL) into an ordered list of
-shards. ``scan_shard`` reads one shard's ids (for duplicate detection across the run), its row-group layout (for the
-work units) and a seeded sample of its texts (for the IDF). ``plan`` combines the scans into work units.
+shards. ``scan_shard`` reads one shard (or one of its row groups): its ids (for duplicate detection across the run), its
+row-group layout and a seeded sample of its texts (for the IDF) and passages (for the pool). The mining job runs it
+per row group through ``pipeline.first_pass``.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def discover_shards(path: str = "", fmt: str = "auto", storage: Storage = LOCAL)
 
 
 def check_parquet_shards(shards: list[Shard], required: tuple[str, ...], storage: Storage = LOCAL,
-                         text_columns: tuple[str, ...] | None = None) -> int:
+                         text_columns: tuple[str, ...] | None = None, layout: dict | None = None) -> int:
     """Read every parquet shard's footer (cheap, also on s3://): check that it is parquet, has the required
     columns, and that its text columns hold text, before any work starts.
 
@@ -217,15 +218,18 @@ def check_parquet_shards(shards: list[Shard], required: tuple[str, ...], storage
         def footer(path=shard.path):
             with open_input(path, storage) as f:
                 pf = pq.ParquetFile(f)
-                return pf.schema_arrow, pf.metadata.num_rows
+                md = pf.metadata
+                return pf.schema_arrow, md.num_rows, [md.row_group(i).num_rows for i in range(md.num_row_groups)]
 
         try:
-            schema, rows = storage.retry("read", shard.path, footer)
+            schema, rows, groups = storage.retry("read", shard.path, footer)
         except (pa.ArrowInvalid, OSError) as e:
             raise InputError(f"input {shard.path} is not a readable parquet file: {e}") from None
         require_columns(shard.path, schema.names, required)
         check_column_types(shard.path, schema, text_columns, id_columns)
         total += rows
+        if layout is not None:
+            layout[shard.index] = groups
     return total
 
 
@@ -238,11 +242,13 @@ def sample_cut(sample_docs: int, known_rows: int) -> float:
 
 def scan_shard(
     shard: Shard, text_column: str, id_column: str, sample_docs: int, seed: int, cut: float = 1.0,
-    pool: PoolSpec | None = None, storage: Storage = LOCAL,
+    pool: PoolSpec | None = None, storage: Storage = LOCAL, row_group: int | None = None,
 ) -> ShardScan:
-    """First pass over one shard.
+    """First pass over one shard, or over one of its row groups (``row_group``: a parquet row group's index; None or
+    -1: the whole file).
 
-    Every document gets a seeded random priority in [0, 1) (seed and shard index); usable documents (the read
+    Every document gets a seeded random priority in [0, 1) (seed, shard index and, for one row group, its index:
+    the same priorities whatever the scheduling); usable documents (the read
     stage's rules) whose priority is below ``cut`` are candidates, and the shard returns its ``sample_docs`` lowest.
     Merging the shards' candidates and keeping the lowest priorities overall (bottom-k sampling) gives a uniform
     sample of the input that does not depend on scheduling: same seed and input, same sample.
@@ -269,6 +275,9 @@ def scan_shard(
                 pf = pq.ParquetFile(f)
                 require_columns(shard.path, pf.schema_arrow.names, (text_column, id_column))
                 check_column_types(shard.path, pf.schema_arrow, (text_column,), (id_column,))
+                if row_group is not None and row_group >= 0:
+                    return [pf.metadata.row_group(row_group).num_rows], pf.read_row_group(
+                        row_group, columns=[id_column, text_column])
                 rows = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
                 return rows, pf.read(columns=[id_column, text_column])
 
@@ -280,25 +289,27 @@ def scan_shard(
         rg_rows = [len(records)]
         cols = jsonl_document_columns(shard.path, records, text_column, id_column)
     ids, texts, invalid = cols.ids, cols.texts, cols.invalid
-    priority = np.random.default_rng([seed, shard.index]).random(len(ids))  # (rows,)
+    piece = [shard.index] if row_group is None or row_group < 0 else [shard.index, row_group]
+    priority = np.random.default_rng([seed, *piece]).random(len(ids))  # (rows,)
     reasons = skip_reasons(ids, texts, np.zeros(len(ids), bool), invalid)
     candidate = pc.is_null(reasons).to_numpy(zero_copy_only=False) & (priority < cut)
     rows = np.flatnonzero(candidate)
     rows = rows[np.argsort(priority[rows], kind="stable")][:sample_docs]
     sample = list(zip(priority[rows].tolist(), texts.take(pa.array(rows, pa.int64())).to_pylist()))
-    pool_candidates = _pool_candidates(shard, ids, texts, reasons, pool) if pool is not None and pool.size > 0 else []
+    pool_candidates = _pool_candidates(piece, ids, texts, reasons, pool) if pool is not None and pool.size > 0 else []
     # A multipart object's ETag does not survive an upload of the same bytes: its content hash, recorded in the
     # manifest, lets --incremental recognise such a re-upload (computed here, on a worker, while the shard is read).
-    content = content_sha256(shard.path, storage) if is_multipart_etag(shard.fingerprint) else ""
+    first = row_group is None or row_group <= 0
+    content = content_sha256(shard.path, storage) if first and is_multipart_etag(shard.fingerprint) else ""
     return ShardScan(shard_index=shard.index, row_group_rows=rg_rows, ids=ids, sample=sample, pool=pool_candidates,
                      content_sha256=content)
 
 
-def _pool_candidates(shard: Shard, ids: pa.Array, texts: pa.Array, reasons: pa.Array, spec: PoolSpec) -> list:
+def _pool_candidates(piece: list[int], ids: pa.Array, texts: pa.Array, reasons: pa.Array, spec: PoolSpec) -> list:
     from pairmine.operators.chunk import chunk_text
     from pairmine.operators.consistency import doc_hash
 
-    rng = np.random.default_rng([spec.seed, shard.index])
+    rng = np.random.default_rng([spec.seed, *piece])
     doc_priority = rng.random(len(ids))  # (rows,)
     usable = pc.is_null(reasons).to_numpy(zero_copy_only=False)
     rows = np.flatnonzero(usable & (doc_priority < spec.doc_cut))
@@ -337,58 +348,6 @@ def pool_sample(candidates: list[list[tuple[float, int, str]]], size: int, uniqu
             seen.add(h)
         merged.append((h, t))
     return [t for _, t in merged], np.array([h for h, _ in merged], dtype=np.int64)
-
-
-def duplicate_rows(scans: list[ShardScan]) -> dict[int, list[int]]:
-    """Rows whose id already appeared earlier in the run (in shard order, then row order): {shard: [rows]}.
-
-    Null ids are not duplicates (they are skipped as null_id). Runs in Arrow (group-by and join in C++), holding the
-    run's ids once in memory."""
-    if not scans:
-        return {}
-    table = pa.concat_tables(
-        [
-            pa.table({"id": s.ids, "shard": pa.array(np.full(len(s.ids), s.shard_index, np.int32)),
-                      "row": pa.array(np.arange(len(s.ids), dtype=np.int64))})
-            for s in scans
-        ]
-    )
-    table = table.filter(pc.is_valid(table.column("id")))
-    # Position in run order: shard, then row.
-    table = table.append_column("pos", pc.add(pc.multiply(pc.cast(table.column("shard"), pa.int64()), 1 << 40), table.column("row")))
-    first = table.group_by("id").aggregate([("pos", "min"), ("pos", "count")])
-    repeated = first.filter(pc.greater(first.column("pos_count"), 1))
-    if repeated.num_rows == 0:
-        return {}
-    joined = table.join(repeated.select(["id", "pos_min"]), "id", join_type="inner")
-    dup = joined.filter(pc.not_equal(joined.column("pos"), joined.column("pos_min")))
-    out: dict[int, list[int]] = {}
-    for shard, row in zip(dup.column("shard").to_pylist(), dup.column("row").to_pylist()):
-        out.setdefault(int(shard), []).append(int(row))
-    return {k: sorted(v) for k, v in sorted(out.items())}
-
-
-def work_units(shards: list[Shard], scans: list[ShardScan], duplicates: dict[int, list[int]]) -> list[dict]:
-    """Work units for the read operator (``operators.read.UNIT_SCHEMA``): one per parquet row group, one per JSONL
-    file. Each unit carries the duplicate rows that fall inside it."""
-    units = []
-    for shard, scan in zip(shards, scans):
-        offset = 0
-        dups = np.asarray(duplicates.get(shard.index, []), dtype=np.int64)
-        for rg, rows in enumerate(scan.row_group_rows):
-            inside = dups[(dups >= offset) & (dups < offset + rows)].tolist()
-            units.append(
-                {
-                    "shard_index": shard.index,
-                    "path": shard.path,
-                    "format": shard.format,
-                    "row_group": rg if shard.format == "parquet" else -1,
-                    "row_offset": offset,
-                    "duplicate_rows": inside,
-                }
-            )
-            offset += rows
-    return units
 
 
 def tfidf_sample(scans: list[ShardScan], sample_docs: int) -> list[str]:

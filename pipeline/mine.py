@@ -31,12 +31,12 @@ import numpy as np
 
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions  # noqa: F401 - SUCCESS_MARKER re-exported
 from pairmine.pipeline.config import ConfigError, MineConfig
+from pairmine.pipeline.first_pass import ScanParams, first_pass
 from pairmine.pipeline.inputs import (
-    PoolSpec, check_parquet_shards, content_sha256, discover_shards, duplicate_rows, is_multipart_etag, pool_sample,
-    sample_cut, scan_shard, tfidf_sample, work_units,
+    PoolSpec, check_parquet_shards, content_sha256, discover_shards, is_multipart_etag, sample_cut,
 )
 from pairmine.pipeline.ray_adapter import (
-    Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote, watched,
+    Stage, apply_stage, configure_data, format_stage_figures, init_ray, plan_stages, stage_figures, watched,
 )
 
 log = logging.getLogger("pairmine")
@@ -181,19 +181,16 @@ def _make_filter(pool_ref, k: int, device: str, chunk_mb: float):
     return ConsistencyFilter(partial(_load_pool, pool_ref), k, device, chunk_mb)
 
 
-def _scan(shard, cfg: MineConfig, cut: float, pool: PoolSpec | None):
-    return scan_shard(shard, cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs, cfg.tfidf.seed, cut, pool,
-                      cfg.storage_layer())
-
-
 def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage, stall_warn_s: float = 60.0,
-               stall_limit_s: float = 1800.0, hint: str = "", texts_out: list | None = None
-               ) -> tuple[np.ndarray, np.ndarray]:
+               stall_limit_s: float = 1800.0, hint: str = "", texts_out: list | None = None,
+               figures_out: list | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Embed the pool passages with the run's embed stage (same model, prefix, dtype) on Ray, watched for stalls
     (:func:`pipeline.ray_adapter.watched`).
 
     Args:
         texts_out: when given, the passages are appended to it in the order of the returned rows.
+        figures_out: when given, the pass's per-stage figures (:func:`pipeline.ray_adapter.stage_figures`, stage
+            names prefixed ``pool:``) are appended to it.
 
     Returns:
         (vectors (P, dim) float32, doc hashes (P,) int64), rows aligned (Ray may return blocks in any order, so the
@@ -218,6 +215,8 @@ def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage, 
         hashes.append(batch.column("hashes").combine_chunks().flatten().to_numpy(zero_copy_only=False))
         if texts_out is not None:
             texts_out.extend(batch.column("passages").combine_chunks().flatten().to_pylist())
+    if figures_out is not None:
+        figures_out.extend(stage_figures(ds, "pool: "))
     return np.concatenate(mats), np.concatenate(hashes).astype(np.int64)
 
 
@@ -576,7 +575,8 @@ def mine(cfg: MineConfig) -> MineResult:
     if prior is not None:
         check_resume(plan, prior, run_id)
     staging = f"{run_dir}/_staging"
-    known_rows = check_parquet_shards(shards, (cfg.input.text_column, cfg.input.id_column), storage)
+    layout: dict[int, list[int]] = {}
+    known_rows = check_parquet_shards(shards, (cfg.input.text_column, cfg.input.id_column), storage, layout=layout)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
     c = cfg.consistency
@@ -587,21 +587,25 @@ def mine(cfg: MineConfig) -> MineResult:
 
     # ---- first pass: ids (duplicates), layout (work units), seeded text sample (IDF) -----------------------------
     # A resumed run repeats it over all shards: duplicates, the IDF and the pool depend on the whole input, and
-    # the pass is seeded, so it gives the first attempt's results again.
+    # the pass is seeded, so it gives the first attempt's results again. One task per row group; ids go to
+    # hash-range indexes on the workers, never to the driver (pipeline.first_pass).
+    if prior is None:
+        storage.rm(staging)  # leftovers of an attempt killed before its plan was written
     cut = sample_cut(cfg.tfidf.sample_docs, known_rows)
     pool_spec = PoolSpec(c.pool_size, c.seed, sample_cut(c.pool_size, known_rows), known_rows, cfg.chunk.max_words,
                          cfg.chunk.min_words, cfg.chunk.max_passages) if c.enabled else None
-    scans = run_remote(_scan, [(s, cfg, cut, pool_spec) for s in shards])
-    docs_expected = sum(s.num_rows for s in scans)
-    rows_per_shard = {s.shard_index: s.num_rows for s in scans}
-    dups = duplicate_rows(scans)
-    units = work_units(shards, scans, dups)
-    content_hashes = {scan.shard_index: scan.content_sha256 for scan in scans if scan.content_sha256}
+    t_first = time.time()
+    first = first_pass(shards, layout, ScanParams(cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs,
+                                                  cfg.tfidf.seed, cut, pool_spec, storage), f"{staging}/duplicates")
+    docs_expected = first.docs
+    rows_per_shard = first.rows_per_shard
+    units = first.units
+    content_hashes = first.content_hashes
     from pairmine.operators.chunk import chunk_text
     from pairmine.operators.related import EmptySampleError, fit_tfidf, unfitted_tfidf
 
     sample_passages = [
-        p for text in tfidf_sample(scans, cfg.tfidf.sample_docs)
+        p for text in first.sample
         for p in chunk_text(text, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages).passages
     ]
     try:
@@ -617,7 +621,6 @@ def mine(cfg: MineConfig) -> MineResult:
     # ---- the run folder: plan, committed shards of an earlier attempt, clean staging ------------------------------
     records: dict[int, dict] = {}
     if prior is None:
-        storage.rm(staging)  # leftovers of an attempt killed before its plan was written
         storage.makedirs(run_dir)
         write_json(storage, f"{run_dir}/{STATE_DIR}/plan.json", plan)
     else:
@@ -636,12 +639,14 @@ def mine(cfg: MineConfig) -> MineResult:
     storage.write_bytes(f"{run_dir}/tfidf.joblib", buf.getvalue())
     todo = [s for s in shards if s.index not in records]
     todo_units = [u for u in units if u["shard_index"] not in records]
-    pool_passages, pool_hashes = pool_sample([s.pool for s in scans], c.pool_size) if c.enabled and todo else ([], None)
-    del scans
+    pool_passages, pool_hashes = (first.pool_passages, first.pool_hashes) if c.enabled and todo else ([], None)
     log.info(
-        "first pass: %d documents in %d work unit(s), %d duplicate id(s); TF-IDF fitted on %d passages (vocabulary %d)",
-        docs_expected, len(units), sum(len(v) for v in dups.values()), len(sample_passages), len(tfidf.vocabulary),
+        "first pass: %d documents in %d work unit(s), %d duplicate id(s) (found in %d hash range(s) on the workers), "
+        "%.1f s; TF-IDF fitted on %d passages (vocabulary %d)", docs_expected, len(units), first.duplicates,
+        first.ranges, time.time() - t_first, len(sample_passages), len(tfidf.vocabulary),
     )
+    figures = [first.figures]  # per-stage wall/busy/CPU seconds and rows, in pipeline order (stats.json "stages")
+    del first
 
     # ---- the streaming pass: one row per document from read to write ---------------------------------------------
     actors, threads, device = stage_plan.embed_actors, stage_plan.threads, stage_plan.device
@@ -666,7 +671,7 @@ def mine(cfg: MineConfig) -> MineResult:
             t_pool = time.time()
             pool_texts: list[str] = []  # the pool passages in the order of pool_vectors' rows
             pool_vectors, pool_hashes = embed_pool(pool_passages, pool_hashes, embed_stage, cfg.ray.stall_warn_s,
-                                                   cfg.ray.stall_limit_s, stall_hint, pool_texts)
+                                                   cfg.ray.stall_limit_s, stall_hint, pool_texts, figures)
             pool_size = len(pool_vectors)
             pool_ref = ray.put((pool_vectors, pool_hashes))
             # The main pass takes a passage's vector from the pool when the pool pass already computed it (by the
@@ -690,7 +695,7 @@ def mine(cfg: MineConfig) -> MineResult:
             len(todo), model_id(cfg), cfg.resolved_prefix(), threshold, cfg.threshold_source(), actors, device, threads,
         )
         records.update(_stream_and_commit(stages, todo, todo_units, rows_per_shard, run_dir, side_output, pool_size,
-                                          storage, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, stall_hint))
+                                          storage, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, stall_hint, figures))
 
     # ---- commit: stats, manifest, then the success marker, then the pointer to the newest run --------------------
     missing = [s.index for s in shards if s.index not in records]
@@ -704,6 +709,7 @@ def mine(cfg: MineConfig) -> MineResult:
     stats["consistency_enabled"] = c.enabled
     stats["shards"] = len(shards)
     stats["shards_resumed"] = len(shards) - len(todo)
+    stats["stages"] = figures
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     manifest = {
         "run_id": run_id,
@@ -761,6 +767,8 @@ def mine(cfg: MineConfig) -> MineResult:
             "processed documents have groups, %.2f groups per document with groups, %.1f%% of passages covered",
             b["groups"], b["docs_with_groups_pct"], b["groups_per_doc"], b["passage_coverage_pct"],
         )
+    for line in format_stage_figures(figures):
+        log.info("stage figures: %s", line)
     if stats["passages_token_truncated"]:
         log.warning("%d of %d passages were longer than embed.max_length = %d tokens: the model saw only their start "
                     "(passages_token_truncated in stats.json); lower chunk.max_words or raise embed.max_length",
@@ -770,9 +778,13 @@ def mine(cfg: MineConfig) -> MineResult:
 
 def _stream_and_commit(stages: list[Stage], todo: list, units: list[dict], rows_per_shard: dict[int, int],
                        run_dir: str, side_output: bool, pool_size: int | None, storage, stall_warn_s: float = 60.0,
-                       stall_limit_s: float = 1800.0, hint: str = "") -> dict[int, dict]:
+                       stall_limit_s: float = 1800.0, hint: str = "", figures_out: list | None = None
+                       ) -> dict[int, dict]:
     """Stream the work units of the shards in ``todo`` through ``stages``, and commit each shard (a Ray task running
     :func:`commit_shard`) as soon as all of its documents have been written.
+
+    ``figures_out``: when given, the pass's per-stage figures (:func:`pipeline.ray_adapter.stage_figures`) are
+    appended to it.
 
     Returns:
         The commit records of the shards in ``todo``, by shard index.
@@ -784,7 +796,7 @@ def _stream_and_commit(stages: list[Stage], todo: list, units: list[dict], rows_
     import ray
 
     commit = ray.remote(num_cpus=0.5, max_retries=2)(commit_shard)
-    per_shard: dict[int, list[dict]] = {s.index: [] for s in todo}
+    per_shard: dict[int, list[dict]] = {s.index: [] for s in todo}  # one running sum per shard (bounded memory)
     seen = {s.index: 0 for s in todo}
     by_index = {s.index: s for s in todo}
     pending: dict = {}
@@ -817,7 +829,8 @@ def _stream_and_commit(stages: list[Stage], todo: list, units: list[dict], rows_
     for row in watched(ds.iter_rows(), stages, done, stall_warn_s, stall_limit_s, hint):
         i = int(row["shard_index"])
         summary = json.loads(row["stats"])
-        per_shard[i].append(summary)
+        counts, hists = merge_stats(per_shard[i] + [summary])
+        per_shard[i] = [{**counts, **hists}]
         seen[i] += summary.get("docs_in", 0)
         progress.update(summary.get("docs_in", 0), summary.get("groups", 0))
         if seen[i] > rows_per_shard[i]:
@@ -830,4 +843,6 @@ def _stream_and_commit(stages: list[Stage], todo: list, units: list[dict], rows_
     if short:
         raise RuntimeError(f"documents missing after the stream (shard: seen, expected): {short}")
     collect(timeout=None)
+    if figures_out is not None:
+        figures_out.extend(stage_figures(ds))
     return records

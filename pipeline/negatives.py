@@ -326,7 +326,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
         offset = 0
         for g, rows in enumerate(layout):
             units.append({"shard_index": shard.index, "path": shard.path, "format": shard.format,
-                          "row_group": g if shard.format == "parquet" else -1, "row_offset": offset, "duplicate_rows": []})
+                          "row_group": g if shard.format == "parquet" else -1, "row_offset": offset, "duplicates": ""})
             offset += rows
         expected += offset
 

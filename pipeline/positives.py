@@ -147,7 +147,7 @@ def input_units(inputs: list[dict], storage) -> list[dict]:
             groups = list(range(storage.retry("read", rec["path"], footer)))
         for rg in groups:
             units.append({"shard_index": int(rec.get("shard_index", k)), "path": rec["path"], "format": rec["format"],
-                          "row_group": rg, "row_offset": 0, "duplicate_rows": []})
+                          "row_group": rg, "row_offset": 0, "duplicates": ""})
     return units
 
 

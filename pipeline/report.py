@@ -385,6 +385,21 @@ def _summary_rows(stats: dict, manifest: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _stages_html(figures: list[dict]) -> str:
+    """The per-stage figures of stats.json (``stages``: wall, busy and CPU seconds, tasks, rows) as a small table;
+    empty for runs that have none."""
+    if not figures:
+        return ""
+    rows = "\n".join(
+        f'<tr><td>{html.escape(str(f.get("stage", "")))}</td><td class="n">{f.get("wall_s", 0):.1f}</td>'
+        f'<td class="n">{f.get("busy_s", 0):.1f}</td><td class="n">{f.get("cpu_s", 0):.1f}</td>'
+        f'<td class="n">{f.get("tasks", 0)}</td><td class="n">{f.get("rows_out", 0)}</td></tr>' for f in figures)
+    return ("<h2>Stages</h2>\n<p>From Ray Data's execution stats: <b>wall</b> = first start to last end of the "
+            "stage, <b>busy</b> = task time summed over its tasks and actors, rows = rows it produced. Stages that Ray "
+            "fused into one operator share a row.</p>\n<table class=\"summary\"><tr><th>stage</th><th>wall s</th>"
+            f"<th>busy s</th><th>CPU s</th><th>tasks</th><th>rows out</th></tr>\n{rows}\n</table>")
+
+
 def _doc_html(d: dict, threshold: float) -> str:
     out = [f"<h3>{html.escape(str(d['doc_id']))}</h3>"]
     if d.get("url"):
@@ -458,6 +473,7 @@ def build_report(run: str, output: str = "", examples: int = 5, seed: int = 0, g
     rows = "\n".join(f'<tr><td>{a}</td><td class="n">{b}</td><td class="n">{c}</td></tr>'
                      for a, b, c in _summary_rows(stats, manifest))
     figs = "\n".join(f'<img src="{p}" alt="{p[:-4].replace("_", " ")}">' for p in PLOTS)
+    stages = _stages_html(stats.get("stages") or [])
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>pairmine report: {html.escape(str(stats.get('run_id', run_dir.name)))}</title>
 <style>{_CSS}</style></head><body>
@@ -471,6 +487,7 @@ def build_report(run: str, output: str = "", examples: int = 5, seed: int = 0, g
 <div class="figs">
 {figs}
 </div>
+{stages}
 <h2>Examples</h2>
 <p>{len(docs)} documents with groups, sampled with seed {seed}. Scores: <b>centrality</b> = cos(passage, document
 mean); <b>dense</b> = cos(anchor, passage); <b>TF-IDF</b> = cosine of TF-IDF vectors; <b>RRF</b> =

@@ -76,6 +76,17 @@ def test_stats_reconcile_on_the_sample(default_run):
     assert 95 <= s["docs_with_groups_pct_of_eligible"] <= 100
     assert 7.0 <= s["groups_per_doc"] <= 9.0
     assert 45 <= s["passage_coverage_pct"] <= 58
+    # Per-stage figures (Ray Data's execution stats; issue 15 item 5): the first pass's 4 units (one row group per
+    # sample shard) and 827 rows, then the pool pass, then the main pass down to the write stage, in order.
+    stages = s["stages"]
+    assert stages[0] | {"wall_s": 0, "busy_s": 0, "cpu_s": 0} == {
+        "stage": "first pass", "tasks": 4, "rows_out": 827, "wall_s": 0, "busy_s": 0, "cpu_s": 0}
+    names = [f["stage"] for f in stages]
+    assert names[1].startswith("pool: ") and "embed" in names[1]
+    main = [n.split("+") for n in names[2:]]
+    assert [x for n in main for x in n] == ["read", "chunk", "embed", "centrality", "related", "consistency", "write"]
+    assert next(f for f in stages[2:] if "embed" in f["stage"].split("+"))["rows_out"] == 827  # one row per document
+    assert all(f["wall_s"] > 0 and f["busy_s"] > 0 and f["tasks"] > 0 for f in stages)
 
 
 def test_group_invariants(default_run, sample_dir):

@@ -9,15 +9,30 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairmine.operators.read import MissingColumnError, ReadDocuments
-from pairmine.pipeline.inputs import (
-    check_parquet_shards, discover_shards, duplicate_rows, sample_cut, scan_shard, tfidf_sample, work_units,
-)
+from pairmine.pipeline.first_pass import ScanParams, first_pass
+from pairmine.pipeline.inputs import check_parquet_shards, discover_shards, sample_cut, scan_shard, tfidf_sample
 
 
-def _plan(path):
-    shards = discover_shards(str(path))
-    scans = [scan_shard(s, "text", "id", 100, 0) for s in shards]
-    return shards, scans, work_units(shards, scans, duplicate_rows(scans))
+def _plan(path, fmt="auto", storage=None, ranges=3):
+    """The mining job's first pass, in-process, with ``ranges`` hash ranges for the ids: (shards, first, units)."""
+    import tempfile
+
+    from pairmine.operators.storage import LOCAL
+
+    storage = storage or LOCAL
+    shards = discover_shards(str(path), fmt, storage)
+    layout: dict = {}
+    check_parquet_shards(shards, ("text", "id"), storage, layout=layout)
+    first = first_pass(shards, layout, ScanParams("text", "id", 100, 0, 1.0, None, storage),
+                       tempfile.mkdtemp(prefix="pairmine-dups-"), in_process=True, ranges=ranges)
+    return shards, first, first.units
+
+
+def _duplicates(first) -> dict[int, list[int]]:
+    """{shard: duplicate rows} as the read operator sees them (the first pass's per-shard files)."""
+    import numpy as np
+
+    return {u["shard_index"]: np.load(u["duplicates"]).tolist() for u in first.units if u["duplicates"]}
 
 
 def test_skip_reasons_parquet(tmp_path):
@@ -37,8 +52,9 @@ def test_skip_reasons_parquet(tmp_path):
 def test_duplicates_across_shards_keep_the_first(tmp_path):
     pq.write_table(pa.table({"id": ["x", "y"], "text": ["one", "two"]}), tmp_path / "a.parquet")
     pq.write_table(pa.table({"id": ["y", "z", "x"], "text": ["three", "four", "five"]}), tmp_path / "b.parquet")
-    _, scans, units = _plan(tmp_path)
-    assert duplicate_rows(scans) == {1: [0, 2]}
+    for ranges in (1, 3, 7):  # the ids' hash ranges do not change which rows are duplicates
+        _, first, units = _plan(tmp_path, ranges=ranges)
+        assert _duplicates(first) == {1: [0, 2]} and first.duplicates == 2
     docs = ReadDocuments()(pa.Table.from_pylist(units))
     assert docs.column("skip_reason").to_pylist() == [None, None, "duplicate_id", None, "duplicate_id"]
 
@@ -47,8 +63,8 @@ def test_jsonl_with_invalid_lines_and_numeric_ids(tmp_path):
     lines = [json.dumps({"id": 1, "text": "first document"}), "{not json", json.dumps([1, 2]),
              json.dumps({"id": 2, "text": "second"}), "", json.dumps({"id": 3})]
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
-    _, scans, units = _plan(tmp_path)
-    assert scans[0].num_rows == 5  # blank lines are not documents
+    _, first, units = _plan(tmp_path)
+    assert first.rows_per_shard == {0: 5}  # blank lines are not documents
     docs = ReadDocuments()(pa.Table.from_pylist(units))
     assert docs.column("id").to_pylist() == ["1", None, None, "2", "3"]
     assert docs.column("skip_reason").to_pylist() == [None, "invalid_json", "invalid_json", None, "null_text"]
@@ -90,9 +106,26 @@ def test_tfidf_sample_is_seeded_and_uniform_over_shards(sample_dir):
 
 def test_duplicates_inside_one_shard_and_null_ids(tmp_path):
     pq.write_table(pa.table({"id": ["a", "b", "a", None, None, "b", "a"], "text": ["t"] * 7}), tmp_path / "x.parquet")
-    _, scans, units = _plan(tmp_path)
-    assert duplicate_rows(scans) == {0: [2, 5, 6]}
-    assert units[0]["duplicate_rows"] == [2, 5, 6]
+    _, first, units = _plan(tmp_path)
+    assert _duplicates(first) == {0: [2, 5, 6]} and first.duplicates == 3
+    docs = ReadDocuments()(pa.Table.from_pylist(units))
+    assert docs.column("skip_reason").to_pylist() == [None, None, "duplicate_id", "null_id", "null_id",
+                                                      "duplicate_id", "duplicate_id"]
+
+
+def test_duplicates_across_row_groups_and_shards(tmp_path):
+    """Row groups are the first pass's units: a repeat in a later row group, or in a later shard, is found; the
+    first occurrence in run order (shard, then row) is kept, whatever the number of hash ranges."""
+    ids = [f"d{i % 40}" for i in range(100)]  # 0-39 first, 40-99 repeat them
+    pq.write_table(pa.table({"id": ids, "text": ["t"] * 100}), tmp_path / "a.parquet", row_group_size=16)
+    pq.write_table(pa.table({"id": ["d5", "new", "d5"], "text": ["t"] * 3}), tmp_path / "b.parquet")
+    for ranges in (1, 4):
+        _, first, units = _plan(tmp_path, ranges=ranges)
+        assert len(units) == 7 + 1 and [u["row_offset"] for u in units[:3]] == [0, 16, 32]
+        assert _duplicates(first) == {0: list(range(40, 100)), 1: [0, 2]} and first.duplicates == 62
+        docs = ReadDocuments()(pa.Table.from_pylist(units))
+        reasons = docs.column("skip_reason").to_pylist()
+        assert reasons.count("duplicate_id") == 62 and reasons[:40] == [None] * 40
 
 
 # ---- text that is not valid UTF-8 or not text, compressed JSONL (issue 14 items 1 and 2) ----------------------------
@@ -124,7 +157,7 @@ def _read(path, fmt="auto", storage=None):
     storage = storage or LOCAL
     shards = discover_shards(str(path), fmt, storage)
     scans = [scan_shard(s, "text", "id", 100, 0, storage=storage) for s in shards]
-    units = work_units(shards, scans, duplicate_rows(scans))
+    units = _plan(path, fmt, storage)[2]
     return shards, scans, ReadDocuments(storage=storage)(pa.Table.from_pylist(units))
 
 

@@ -34,6 +34,10 @@ def test_report_on_a_mined_run(tiny_run, tmp_path):
     assert (f'<td class="n">{b["groups"]} / {b["groups_per_doc"]:.2f}</td><td class="n">7.0 per document</td>' in page)
     assert f'<td class="n">{b["passage_coverage_pct"]:.1f}%</td><td class="n">68%</td>' in page
     assert len(res.docs) == 3 and page.count("Passages never used</b>") == 3
+    # The per-stage figures of stats.json, one table row per stage (issue 15 item 5).
+    first = s["stages"][0]
+    assert "<h2>Stages</h2>" in page and (f'<tr><td>first pass</td><td class="n">{first["wall_s"]:.1f}</td>' in page)
+    assert page.count("</td></tr>", page.index("<h2>Stages</h2>")) >= len(s["stages"])
     groups = pq.read_table(run / "groups" / "part-00000.parquet").to_pylist()
     for d in res.docs:
         assert f"<h3>{html.escape(d['doc_id'])}</h3>" in page

@@ -1,0 +1,308 @@
+"""The mining job's first pass, in bounded pieces and with no per-document state in the driver (issue 15).
+
+One Ray task per *scan unit* (a parquet row group, or a whole JSONL file) reads only that unit's id and text columns
+and returns bounded summaries: its bottom-k candidates for the TF-IDF sample and for the consistency pool (merged in
+the driver into running bottom-k buffers of ``sample_docs`` and ``pool.size`` items, whatever the number of units),
+and its row count. Its ids go to :class:`DuplicateIndex` actors by hash range (``pandas.util.hash_array`` of the id,
+modulo the number of ranges), never to the driver. Once every unit is scanned, each index finds the repeated ids of
+its range exactly (an Arrow group-by, as the in-driver step it replaces), and the rows to skip as ``duplicate_id``
+are written per shard to ``<duplicates_dir>/shard-XXXXX.npy`` (sorted int64 row indices in the shard), which the
+read operator loads for its shard. The driver holds per-unit layout (a few integers per row group), per-shard
+counts, the two bottom-k buffers and the actor handles: nothing that grows with the number of documents.
+
+Which occurrence is kept is as before: the first in run order (shard order, then row order).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pairmine.pipeline.inputs import PoolSpec, Shard, scan_shard
+
+log = logging.getLogger("pairmine")
+
+ROW_BITS = 40  # position of a row in run order: shard index << ROW_BITS | row index in the shard
+IDS_PER_RANGE = 1_000_000  # ids one DuplicateIndex is sized for (about 50-100 MB of Arrow memory on its worker)
+MAX_RANGES = 256
+
+
+def index_ranges(expected_docs: int) -> int:
+    """Number of hash ranges (DuplicateIndex actors) for a run of about ``expected_docs`` documents: one per
+    ``IDS_PER_RANGE`` ids, at least 1, at most ``MAX_RANGES``."""
+    return max(1, min(MAX_RANGES, math.ceil(max(0, expected_docs) / IDS_PER_RANGE)))
+
+
+def id_ranges(ids: pa.Array, ranges: int) -> np.ndarray:
+    """Hash range of every id (int64 (n,), in [0, ranges)); ids are strings. Deterministic across processes
+    (``pandas.util.hash_array``: SipHash with a fixed key)."""
+    import pandas as pd
+
+    if ranges == 1 or len(ids) == 0:
+        return np.zeros(len(ids), np.int64)
+    h = pd.util.hash_array(np.asarray(ids.to_numpy(zero_copy_only=False), dtype=object))
+    return (h % np.uint64(ranges)).astype(np.int64)
+
+
+class DuplicateIndex:
+    """The ids of one hash range of the run, and the rows whose id appeared earlier in run order.
+
+    ``add`` takes (ids, positions) from the scan tasks; ``find`` (called once, after every unit is scanned) finds the
+    repeated ids with an Arrow group-by (minimum position per id: the occurrence kept) and returns per-shard counts;
+    ``rows(shard)`` gives that shard's duplicate rows. Positions are ``shard << ROW_BITS | row``. Null ids never
+    reach it (they are skipped as ``null_id``)."""
+
+    def __init__(self):
+        self.parts: list[pa.Table] = []
+        self.duplicates = np.zeros(0, np.int64)
+
+    def add(self, ids: pa.Array, positions: np.ndarray) -> int:
+        self.parts.append(pa.table({"id": ids, "pos": pa.array(positions, pa.int64())}))
+        return len(ids)
+
+    def find(self) -> dict[int, int]:
+        if not self.parts:
+            return {}
+        table = pa.concat_tables(self.parts)
+        self.parts = []
+        first = table.group_by("id").aggregate([("pos", "min"), ("pos", "count")])
+        repeated = first.filter(pc.greater(first.column("pos_count"), 1))
+        if repeated.num_rows == 0:
+            return {}
+        joined = table.join(repeated.select(["id", "pos_min"]), "id", join_type="inner")
+        dup = joined.filter(pc.not_equal(joined.column("pos"), joined.column("pos_min")))
+        self.duplicates = np.sort(dup.column("pos").to_numpy())
+        shards, counts = np.unique(self.duplicates >> ROW_BITS, return_counts=True)
+        return {int(s): int(c) for s, c in zip(shards, counts)}
+
+    def rows(self, shard: int) -> np.ndarray:
+        lo, hi = np.searchsorted(self.duplicates, [shard << ROW_BITS, (shard + 1) << ROW_BITS])
+        return self.duplicates[lo:hi] & ((1 << ROW_BITS) - 1)
+
+
+@dataclass
+class ScanParams:
+    """What every scan task needs (see :func:`pipeline.inputs.scan_shard`)."""
+
+    text_column: str
+    id_column: str
+    sample_docs: int
+    seed: int
+    cut: float
+    pool: PoolSpec | None
+    storage: object
+
+
+def scan_unit(shard: Shard, row_group: int, row_offset: int, params: ScanParams, indexes: list,
+              remote: bool = True) -> dict:
+    """Ray task (``remote``; else in-process with plain :class:`DuplicateIndex` objects): scan one unit
+    (:func:`pipeline.inputs.scan_shard` on one row group), send its ids to the :class:`DuplicateIndex` of their
+    hash range, return its bounded summary (rows, sample, pool candidates, the file's content hash where the shard
+    needs one)."""
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    scan = scan_shard(shard, params.text_column, params.id_column, params.sample_docs, params.seed, params.cut,
+                      params.pool, params.storage, row_group=row_group)
+    ids = scan.ids
+    valid = pc.is_valid(ids).to_numpy(zero_copy_only=False)
+    rows = np.flatnonzero(valid)
+    ids = ids.filter(pa.array(valid))
+    positions = (np.int64(shard.index) << ROW_BITS) | (rows.astype(np.int64) + row_offset)
+    which = id_ranges(ids, len(indexes))
+    sent = []
+    for r, index in enumerate(indexes):
+        mask = which == r
+        if mask.any():
+            if remote:
+                sent.append(index.add.remote(ids.filter(pa.array(mask)), positions[mask]))
+            else:
+                index.add(ids.filter(pa.array(mask)), positions[mask])
+    if sent:
+        import ray
+
+        ray.get(sent)  # delivered before the task ends: the driver asks the indexes only after every task has ended
+    return {"shard_index": shard.index, "row_group": row_group, "rows": scan.num_rows, "sample": scan.sample,
+            "pool": scan.pool, "content_sha256": scan.content_sha256, "busy_s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - c0}
+
+
+def write_shard_duplicates(shard_index: int, indexes: list, path: str, storage, remote: bool = True) -> int:
+    """Ray task (or in-process, as :func:`scan_unit`): gather one shard's duplicate rows from every index, write
+    them (sorted int64 .npy) to ``path``. Returns their number."""
+    if remote:
+        import ray
+
+        parts = ray.get([i.rows.remote(shard_index) for i in indexes])
+    else:
+        parts = [i.rows(shard_index) for i in indexes]
+    rows = np.sort(np.concatenate([np.zeros(0, np.int64), *parts]))
+    buf = io.BytesIO()
+    np.save(buf, rows, allow_pickle=False)
+    storage.write_bytes(path, buf.getvalue())
+    return len(rows)
+
+
+class Lowest:
+    """The ``k`` smallest of the items added so far (totally ordered tuples), in memory bounded by ~3k items."""
+
+    def __init__(self, k: int):
+        self.k, self.items = max(0, k), []
+
+    def add(self, items) -> None:
+        self.items.extend(items)
+        if len(self.items) > 2 * self.k + 1024:
+            self.items.sort()
+            del self.items[self.k:]
+
+    def result(self) -> list:
+        self.items.sort()
+        return self.items[:self.k]
+
+
+@dataclass
+class FirstPass:
+    """What the first pass learned (see :func:`first_pass`).
+
+    Attributes:
+        rows_per_shard: rows of every shard, by shard index.
+        units: the read operator's work units (``operators.read.UNIT_SCHEMA``), one per row group / JSONL file.
+        duplicates: ids that repeat an earlier one (rows skipped as ``duplicate_id``), over the whole input.
+        sample: the TF-IDF sample texts (the ``sample_docs`` lowest priorities over the input).
+        pool_passages, pool_hashes: the consistency pool candidates (``pool.size`` lowest priorities), hashes (n,).
+        content_hashes: ``sha256:...`` of multipart-uploaded shards, by shard index.
+        ranges: hash ranges (DuplicateIndex actors) used.
+        figures: wall, busy (summed over the scan tasks) and CPU seconds, tasks and rows, as
+            :func:`pipeline.ray_adapter.stage_figures` gives them for the Ray Data stages.
+    """
+
+    rows_per_shard: dict[int, int]
+    units: list[dict]
+    duplicates: int
+    sample: list[str]
+    pool_passages: list[str] = field(default_factory=list)
+    pool_hashes: np.ndarray | None = None
+    content_hashes: dict[int, str] = field(default_factory=dict)
+    ranges: int = 1
+    figures: dict = field(default_factory=dict)  # the first pass's row of the per-stage figures (stats.json)
+
+    @property
+    def docs(self) -> int:
+        return sum(self.rows_per_shard.values())
+
+
+def _scans(todo: list, params: ScanParams, indexes: list, in_process: bool):
+    """Scan summaries of every unit, as they finish (at most twice the cluster's CPUs in flight)."""
+    if in_process:
+        for shard, rg, offset in todo:
+            yield scan_unit(shard, rg, offset, params, indexes, remote=False)
+        return
+    import ray
+
+    scan = ray.remote(num_cpus=1)(scan_unit)
+    window = max(4, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    pending: dict = {}
+    nxt = 0
+    while nxt < len(todo) or pending:
+        while nxt < len(todo) and len(pending) < window:
+            shard, rg, offset = todo[nxt]
+            pending[scan.remote(shard, rg, offset, params, indexes)] = nxt
+            nxt += 1
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            pending.pop(ref)
+            yield ray.get(ref)
+
+
+def first_pass(shards: list[Shard], layout: dict[int, list[int]], params: ScanParams, duplicates_dir: str,
+               progress_every_s: float = 10.0, in_process: bool = False, ranges: int = 0) -> FirstPass:
+    """Scan every unit of ``shards`` as Ray tasks (at most twice the cluster's CPUs in flight), find duplicate ids
+    across the run by hash range, write each shard's duplicate rows under ``duplicates_dir``.
+
+    Args:
+        layout: rows per row group of every parquet shard, by shard index (from the footers:
+            :func:`pipeline.inputs.check_parquet_shards`); JSONL shards are one unit each.
+        params: what every scan needs; ``params.pool`` None: no pool.
+        duplicates_dir: where ``shard-XXXXX.npy`` files go (only for shards with duplicates).
+        in_process: scan one unit after the other in this process, with plain indexes (no Ray: small inputs,
+            ``pairmine calibrate``, tests); the results are the same.
+        ranges: hash ranges (0: :func:`index_ranges` of the expected documents).
+
+    Raises:
+        What a scan raises (InputError, MissingColumnError, ColumnTypeError, StorageError), through Ray.
+    """
+    t0 = time.time()
+    todo = []  # (shard, row group, row offset)
+    for shard in shards:
+        if shard.format == "parquet":
+            offset = 0
+            for rg, rows in enumerate(layout.get(shard.index, [])):
+                todo.append((shard, rg, offset))
+                offset += rows
+        else:
+            todo.append((shard, -1, 0))
+    expected = sum(sum(v) for v in layout.values()) + sum(s.size // 500 for s in shards if s.format != "parquet")
+    ranges = ranges or index_ranges(expected)
+    if in_process:
+        indexes = [DuplicateIndex() for _ in range(ranges)]
+    else:
+        import ray
+
+        indexes = [ray.remote(num_cpus=0, scheduling_strategy="SPREAD")(DuplicateIndex).remote()
+                   for _ in range(ranges)]
+    try:
+        sample, pool = Lowest(params.sample_docs), Lowest(params.pool.size if params.pool else 0)
+        rows_by_unit: dict[tuple[int, int], int] = {}
+        content: dict[int, str] = {}
+        last_log = time.time()
+        busy = cpu = 0.0
+        for r in _scans(todo, params, indexes, in_process):
+            s, rg = r["shard_index"], r["row_group"]
+            rows_by_unit[(s, rg)] = r["rows"]
+            sample.add((p, s, rg, t) for p, t in r["sample"])
+            pool.add((p, s, rg, h, t) for p, h, t in r["pool"])
+            if r["content_sha256"]:
+                content[s] = r["content_sha256"]
+            busy += r["busy_s"]
+            cpu += r["cpu_s"]
+            if time.time() - last_log >= progress_every_s:
+                last_log = time.time()
+                log.info("first pass: %d of %d unit(s) scanned (%.0f s)", len(rows_by_unit), len(todo), last_log - t0)
+        per_shard: Counter = Counter()
+        for counts in ([i.find() for i in indexes] if in_process else ray.get([i.find.remote() for i in indexes])):
+            per_shard.update(counts)
+        paths = {s: f"{duplicates_dir}/shard-{s:05d}.npy" for s in per_shard}
+        if in_process:
+            written = [write_shard_duplicates(s, indexes, paths[s], params.storage, False) for s in sorted(per_shard)]
+        else:
+            write = ray.remote(num_cpus=0.25)(write_shard_duplicates)
+            written = ray.get([write.remote(s, indexes, paths[s], params.storage) for s in sorted(per_shard)])
+        if sum(written) != sum(per_shard.values()):
+            raise RuntimeError(f"duplicate rows written ({sum(written)}) differ from those found "
+                               f"({sum(per_shard.values())})")
+    finally:
+        if not in_process:
+            for i in indexes:
+                ray.kill(i)
+    rows_per_shard = {s.index: 0 for s in shards}
+    units = []
+    for shard, rg, offset in todo:
+        rows_per_shard[shard.index] += rows_by_unit[(shard.index, rg)]
+        units.append({"shard_index": shard.index, "path": shard.path, "format": shard.format, "row_group": rg,
+                      "row_offset": offset, "duplicates": paths.get(shard.index, "")})
+    chosen = pool.result()
+    return FirstPass(
+        rows_per_shard=rows_per_shard, units=units, duplicates=sum(per_shard.values()),
+        sample=[t for *_, t in sample.result()],
+        pool_passages=[t for *_, t in chosen], pool_hashes=np.array([c[3] for c in chosen], dtype=np.int64),
+        content_hashes=content, ranges=ranges,
+        figures={"stage": "first pass", "wall_s": round(time.time() - t0, 2), "busy_s": round(busy, 2),
+                 "cpu_s": round(cpu, 2), "tasks": len(todo), "rows_out": sum(rows_by_unit.values())},
+    )
