@@ -594,7 +594,6 @@ def mine(cfg: MineConfig) -> MineResult:
     cut = sample_cut(cfg.tfidf.sample_docs, known_rows)
     pool_spec = PoolSpec(c.pool_size, c.seed, sample_cut(c.pool_size, known_rows), known_rows, cfg.chunk.max_words,
                          cfg.chunk.min_words, cfg.chunk.max_passages) if c.enabled else None
-    t_first = time.time()
     first = first_pass(shards, layout, ScanParams(cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs,
                                                   cfg.tfidf.seed, cut, pool_spec, storage), f"{staging}/duplicates")
     docs_expected = first.docs
@@ -643,7 +642,7 @@ def mine(cfg: MineConfig) -> MineResult:
     log.info(
         "first pass: %d documents in %d work unit(s), %d duplicate id(s) (found in %d hash range(s) on the workers), "
         "%.1f s; TF-IDF fitted on %d passages (vocabulary %d)", docs_expected, len(units), first.duplicates,
-        first.ranges, time.time() - t_first, len(sample_passages), len(tfidf.vocabulary),
+        first.ranges, first.figures["wall_s"], len(sample_passages), len(tfidf.vocabulary),
     )
     figures = [first.figures]  # per-stage wall/busy/CPU seconds and rows, in pipeline order (stats.json "stages")
     del first

@@ -439,7 +439,7 @@ def stage_figures(ds, prefix: str = "") -> list[dict]:
     for s in chain:
         for op in getattr(s, "operators_stats", None) or []:
             name = re.sub(r"MapBatches\((\w+)\)", r"\1", op.operator_name or "").replace("->", "+").lower()
-            if not name or name.startswith(("Input", "ReadRange", "FromItems")):
+            if not name or name.startswith(("input", "readrange", "fromitems")):  # the source, not a stage
                 continue
             total = lambda st: float(st.sum) if st is not None and st.sum is not None else 0.0  # noqa: E731
             out.append({
