@@ -196,6 +196,44 @@ class Storage:
 
         self.retry("write", path, put)
 
+    def write_parquet_stream(self, path: str, schema, tables) -> int:
+        """Write the tables of the iterable ``tables`` (each with ``schema``) one after the other as one zstd
+        parquet file at ``path``, holding one of them at a time; readers see the old file or the whole new one,
+        never a part (local: a hidden temporary file in the same folder, then a rename; object store: a local
+        temporary file, then one upload, which becomes visible when complete). Returns the rows written. A
+        transient error of the upload is retried; the tables are consumed once, so the local file is written once.
+
+        Raises:
+            StorageError: the upload failed for good (the message names the path).
+        """
+        import os
+        import tempfile
+
+        import pyarrow.parquet as pq
+
+        fs, p = self.fs(path)
+        if is_local(path):
+            folder, name = p.rsplit("/", 1) if "/" in p else (".", p)
+            fs.makedirs(folder, exist_ok=True)
+            tmp = f"{folder}/.{name}.tmp-{uuid.uuid4().hex}"
+        else:
+            fd, tmp = tempfile.mkstemp(prefix="pairmine-part-", suffix=".parquet")
+            os.close(fd)
+        rows = 0
+        try:
+            with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+                for table in tables:
+                    writer.write_table(table)
+                    rows += table.num_rows
+            if is_local(path):
+                fs.mv(tmp, p)
+            else:
+                self.retry("write", path, lambda: fs.put_file(tmp, p))
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return rows
+
     def info(self, path: str) -> dict | None:
         """fsspec info of ``path`` (``type`` is ``file`` or ``directory``), None when it does not exist. Unlike
         ``fs.exists``/``fs.isfile``, which answer False when the store cannot be reached, errors are raised."""

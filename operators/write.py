@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter
 
 import numpy as np
@@ -229,15 +230,43 @@ class _GroupRows:
         return names
 
 
+_STAGED_ROWS = re.compile(r"rows-(\d+)-(\d+)-[0-9a-f]+\.parquet$")
+
+
+def staged_clusters(files: list[str]) -> list[list[str]]:
+    """Staging files in order of the document rows they hold (from their names, :func:`staging_name`), grouped
+    where their row ranges overlap (a retried batch cut differently, a late write of an interrupted attempt): the
+    groups can be sorted one at a time and written one after the other. A file with another name overlaps all."""
+    spans = []
+    for path in files:
+        m = _STAGED_ROWS.search(path)
+        spans.append(((int(m.group(1)), int(m.group(2))) if m else (0, 1 << 62), path))
+    spans.sort()
+    clusters: list[list[str]] = []
+    high = -1
+    for (lo, hi), path in spans:
+        if clusters and lo <= high:
+            clusters[-1].append(path)
+            high = max(high, hi)
+        else:
+            clusters.append([path])
+            high = hi
+    return clusters
+
+
 def compact_shard(staging_dir: str, output_dir: str, shard_index: int, schema: pa.Schema = GROUP_SCHEMA,
                   sort_keys: tuple[str, ...] = (STAGING_SORT_COLUMN, "anchor_index"),
-                  storage: Storage = LOCAL) -> tuple[str, int, int]:
-    """Merge the staging files of one input shard into its single part ``part-{shard:05d}.parquet``.
+                  storage: Storage = LOCAL, buffer_rows: int = 8192) -> tuple[str, int, int]:
+    """Merge the staging files of one input shard into its single part ``part-{shard:05d}.parquet``, streaming.
 
-    Rows are sorted by ``sort_keys`` (for groups: document row, anchor index), so the part's content does not depend
-    on how Ray batched the rows. A row staged twice (same ``sort_keys``: a retried task whose batch was cut
-    differently, or a late write of an interrupted attempt) is kept once. A shard with no rows gets an empty part
-    (``schema`` only), so every input shard has exactly one part. Staging files are only read, never removed here.
+    Rows are sorted by ``sort_keys`` (the first is the staging files' document row, ``STAGING_SORT_COLUMN``; for
+    groups: document row, anchor index), so the part's content does not depend on how Ray batched the rows. A row
+    staged twice (same ``sort_keys``: a retried task whose batch was cut differently, or a late write of an
+    interrupted attempt) is kept once. The files are taken in order of their row ranges (:func:`staged_clusters`):
+    each set of overlapping files is read, sorted and de-duplicated alone, and rows go to the part in row groups of
+    about ``buffer_rows``, so the commit's memory is about one batch's files plus ``buffer_rows`` rows, whatever the
+    size of the shard (issue 15 item 8). A shard with no rows gets an empty part (``schema`` only), so every input
+    shard has exactly one part. Staging files are only read, never removed here.
 
     Returns:
         (path of the part, rows in it, duplicate rows left out).
@@ -247,21 +276,35 @@ def compact_shard(staging_dir: str, output_dir: str, shard_index: int, schema: p
     """
     folder = f"{staging_dir.rstrip('/')}/shard-{shard_index:05d}"
     files = sorted(p for p in storage.ls(folder) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith("."))
-    tables = [read_table(storage, p) for p in files]
     duplicates = 0
-    if tables:
-        table = pa.concat_tables(tables).sort_by([(key, "ascending") for key in sort_keys])
-        if table.num_rows > 1:
-            keys = [table.column(k).to_numpy() for k in sort_keys]
-            same = np.ones(table.num_rows - 1, dtype=bool)
-            for k in keys:
-                same &= k[1:] == k[:-1]
-            if same.any():
-                duplicates = int(same.sum())
-                table = table.filter(pa.array(np.concatenate([[True], ~same])))
-        table = table.drop_columns([STAGING_SORT_COLUMN]).cast(schema)
-    else:
-        table = schema.empty_table()
+
+    def sorted_clusters():
+        nonlocal duplicates
+        for cluster in staged_clusters(files):
+            table = pa.concat_tables([read_table(storage, p) for p in cluster])
+            table = table.sort_by([(key, "ascending") for key in sort_keys])
+            if table.num_rows > 1:
+                keys = [table.column(k).to_numpy() for k in sort_keys]
+                same = np.ones(table.num_rows - 1, dtype=bool)
+                for k in keys:
+                    same &= k[1:] == k[:-1]
+                if same.any():
+                    duplicates += int(same.sum())
+                    table = table.filter(pa.array(np.concatenate([[True], ~same])))
+            yield table.drop_columns([STAGING_SORT_COLUMN]).cast(schema)
+
+    def row_groups():
+        buffered: list[pa.Table] = []
+        rows = 0
+        for table in sorted_clusters():
+            buffered.append(table)
+            rows += table.num_rows
+            if rows >= buffer_rows:
+                yield pa.concat_tables(buffered).combine_chunks()
+                buffered, rows = [], 0
+        if buffered or not files:
+            yield pa.concat_tables(buffered).combine_chunks() if buffered else schema.empty_table()
+
     path = f"{output_dir.rstrip('/')}/{part_name(shard_index)}"
-    write_table_atomic(storage, table, path)
-    return path, table.num_rows, duplicates
+    n = storage.write_parquet_stream(path, schema, row_groups())
+    return path, n, duplicates

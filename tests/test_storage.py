@@ -5,6 +5,7 @@ of the output, and credentials that never leak. Runs use the tiny model on the s
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import signal
@@ -449,3 +450,51 @@ def test_no_secret_in_any_output_log_or_ray_log(reference, tmp_path):
         except OSError:
             pass
     assert found == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streaming compaction of a shard's staging files (issue 15 item 8).
+
+
+def test_compaction_streams_sorted_deduplicated_row_groups(out):
+    """Staging files in any order, a retried batch that overlaps two others (its rows staged twice), anchors that
+    tie on the document row: the part is the rows sorted by (row, anchor) with each staged row once, equal to a
+    whole-shard sort, written in row groups of about ``buffer_rows`` (the commit never holds the shard)."""
+    from pairmine.operators.write import STAGING_SORT_COLUMN, compact_shard, staged_clusters, staging_name
+
+    schema = pa.schema([("doc", pa.string()), ("anchor_index", pa.int32())])
+    staged = schema.append(pa.field(STAGING_SORT_COLUMN, pa.int64()))
+    rng = np.random.default_rng(0)
+
+    def batch(rows):
+        rows = np.repeat(np.asarray(rows, np.int64), 2)  # two anchors per document
+        return pa.table({"doc": [f"d{r}" for r in rows], "anchor_index": pa.array(np.tile([1, 0], len(rows) // 2),
+                         pa.int32()), STAGING_SORT_COLUMN: rows}, schema=staged)
+
+    batches = [batch(range(lo, lo + 10)) for lo in range(0, 100, 10)] + [batch(range(15, 25))]
+    staging = out.path("staging")
+    names = []
+    for t in rng.permutation(len(batches)):
+        rows = batches[t].column(STAGING_SORT_COLUMN).to_numpy()
+        names.append(staging_name(0, rows))
+        out.storage.write_bytes(f"{staging}/{names[-1]}", _parquet_bytes(batches[t]))
+    clusters = staged_clusters(sorted(names))
+    assert [len(c) for c in clusters] == [1, 3] + [1] * 7  # rows 10-29 (three files) are merged, the rest alone
+    path, n, dup = compact_shard(staging, out.path("groups"), 0, schema, storage=out.storage, buffer_rows=40)
+    assert (n, dup) == (200, 20) and path.endswith("groups/part-00000.parquet")
+    part = pq.ParquetFile(io.BytesIO(out.storage.read_bytes(path)))
+    whole = pa.concat_tables(batches).sort_by([(STAGING_SORT_COLUMN, "ascending"), ("anchor_index", "ascending")])
+    expected = [(f"d{r}", a) for r, a in zip(whole.column(STAGING_SORT_COLUMN).to_pylist(),
+                                              whole.column("anchor_index").to_pylist())]
+    expected = list(dict.fromkeys(expected))
+    table = part.read()
+    assert list(zip(table.column("doc").to_pylist(), table.column("anchor_index").to_pylist())) == expected
+    assert table.schema == schema and 4 <= part.metadata.num_row_groups <= 6  # ~40-row groups, not one of 200
+    empty, n, _ = compact_shard(staging, out.path("groups"), 1, schema, storage=out.storage)
+    assert n == 0 and pq.read_table(io.BytesIO(out.storage.read_bytes(empty))).schema == schema
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
