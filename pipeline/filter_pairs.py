@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 
 from pairmine.pipeline.config import ConfigError, MineConfig
 from pairmine.pipeline.inputs import (
-    PoolSpec, check_parquet_shards, discover_shards, pool_sample, scan_shard,
+    PoolSpec, check_parquet_shards, discover_shards, pool_sample, shard_pool,
 )
 from pairmine.pipeline.mine import (
     MineResult, Progress, RunExistsError, _load_pool, _shard_dict,
@@ -178,9 +178,9 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     else:
         spec = PoolSpec(c.pool_size, c.seed, 1.0, 0, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages,
                         hash_by="text")
-        scans = run_remote(scan_shard, [(s, cfg.input.text_column, cfg.input.id_column, 0, 0, 1.0, spec, storage)
-                                        for s in pool_shards])
-        candidates, pool_source = [s.pool for s in scans], c.pool_path
+        candidates = run_remote(shard_pool, [(s, cfg.input.text_column, cfg.input.id_column, spec, storage)
+                                             for s in pool_shards])
+        pool_source = c.pool_path
     pool_passages, pool_hashes = pool_sample(candidates, c.pool_size, unique=True)
     del plans
 

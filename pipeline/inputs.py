@@ -305,6 +305,12 @@ def scan_shard(
                      content_sha256=content)
 
 
+def shard_pool(shard: Shard, text_column: str, id_column: str, pool: PoolSpec, storage: Storage = LOCAL) -> list:
+    """The pool candidates of one shard (``scan_shard(...).pool``), run as a Ray task: only they travel back, not
+    the shard's ids."""
+    return scan_shard(shard, text_column, id_column, 0, 0, 1.0, pool, storage).pool
+
+
 def _pool_candidates(piece: list[int], ids: pa.Array, texts: pa.Array, reasons: pa.Array, spec: PoolSpec) -> list:
     from pairmine.operators.chunk import chunk_text
     from pairmine.operators.consistency import doc_hash

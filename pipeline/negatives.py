@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from pairmine.operators.read import InputError
 from pairmine.pipeline.config import ConfigError, NegativesConfig
-from pairmine.pipeline.inputs import PoolSpec, Shard, check_parquet_shards, discover_shards, scan_shard
+from pairmine.pipeline.inputs import PoolSpec, Shard, check_parquet_shards, discover_shards, shard_pool
 from pairmine.pipeline.mine import (
     MineResult, Progress, RunExistsError, _load_pool, _shard_dict, check_model, embed_pool, merge_stats, model_id,
     new_run_id, write_json,
@@ -332,14 +332,14 @@ def negatives(cfg: NegativesConfig) -> MineResult:
 
     # ---- corpus: chunk, embed, index --------------------------------------------------------------------------------
     t_corpus = time.time()
-    scans = run_remote(scan_shard, [(s, text_column, id_column, 0, 0, 1.0, spec, storage) for s in corpus_shards])
+    pools = run_remote(shard_pool, [(s, text_column, id_column, spec, storage) for s in corpus_shards])
     passages: list[str] = []
     doc_hashes: list[int] = []
-    for scan in scans:
-        for _, h, p in scan.pool:
+    for pool in pools:
+        for _, h, p in pool:
             passages.append(p)
             doc_hashes.append(h)
-    del scans
+    del pools
     if len(passages) < n.rank_start:
         raise InputError(f"negatives.corpus {n.corpus} has {len(passages)} usable passage(s), fewer than "
                          f"negatives.rank_start = {n.rank_start}: no candidate could reach the rank window; give a "
