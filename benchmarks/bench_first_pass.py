@@ -4,12 +4,15 @@ A synthetic corpus of short documents (ids + ~40-word texts, 1% repeated ids), i
 FineWeb's layout. Each figure comes from a fresh process, so one run's peak does not hide another's.
 
 1. **Driver peak RSS** of the first pass (scans, duplicate ids, IDF sample, pool candidates, the work units) at
-   1x, 10x, 100x the documents (20k, 200k, 2M by default), with a private local Ray: ``after`` is
+   1x, 10x, 100x the documents (20k, 200k, 2M by default), with a private local Ray and a pool of P = 5,000
+   passages and an IDF sample of 2,000 documents (both filled at 1x: what they hold is bounded by P and the sample
+   size, not by the corpus): ``after`` is
    ``pipeline.first_pass`` (ids go to hash-range indexes on the workers); ``before`` is the previous design, each
    shard's scan returning every id to the driver, which found the duplicates with the same Arrow group-by. The
    duplicate count is printed for both (it must be equal). Goal: after at 100x <= 1.2x after at 1x.
-2. **Scan task peak RSS** for one shard of 1x and 10x the rows (same row-group size): ``after`` scans one row group
-   (a work unit), ``before`` the whole shard (one task per file). Goal: after at 10x <= 1.2x after at 1x.
+2. **Scan task peak RSS** for one shard of 1x and 10x the rows (100k and 1M rows: 50 and 500 row groups of the
+   same 2,000 rows): ``after`` scans one row group (a work unit), ``before`` the whole shard (one task per file).
+   Goal: after at 10x <= 1.2x after at 1x.
 
     python benchmarks/bench_first_pass.py                  # 20k / 200k / 2M documents (about 10 minutes here)
     python benchmarks/bench_first_pass.py --docs 20000 200000 --no-before
@@ -20,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -33,10 +35,16 @@ import pyarrow.parquet as pq
 
 ROWS_PER_SHARD = 100_000
 ROW_GROUPS = 50
+# The driver holds P pool passages and the IDF sample whatever the corpus size (bounded by configuration, not by
+# documents): small values here, so that the 1x corpus already fills them and the ratio shows what grows with documents.
+POOL = 5_000
+SAMPLE_DOCS = 2_000
 
 
-def make_corpus(folder: Path, docs: int, rows_per_shard: int = ROWS_PER_SHARD, seed: int = 0) -> None:
-    """``docs`` documents in shards of ``rows_per_shard`` rows (``ROW_GROUPS`` row groups each); ids ``d<n>``, 1% of
+def make_corpus(folder: Path, docs: int, rows_per_shard: int = ROWS_PER_SHARD, seed: int = 0,
+                row_group_rows: int = ROWS_PER_SHARD // ROW_GROUPS) -> None:
+    """``docs`` documents in shards of ``rows_per_shard`` rows, in row groups of ``row_group_rows`` (a writer's
+    fixed row-group size, as FineWeb's: a 100k-row shard has 50 row groups); ids ``d<n>``, 1% of
     them repeating an earlier id (in the same or an earlier shard); texts of 30-50 words from a 20k-word vocabulary."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -52,13 +60,18 @@ def make_corpus(folder: Path, docs: int, rows_per_shard: int = ROWS_PER_SHARD, s
         lengths = rng.integers(30, 51, size=n)
         texts = [" ".join(vocab[w[:k]]) + "." for w, k in zip(words, lengths)]
         table = pa.table({"id": pa.array([f"d{i}" for i in numbers]), "text": pa.array(texts)})
-        pq.write_table(table, folder / f"shard-{shard:05d}.parquet", row_group_size=max(1, -(-n // ROW_GROUPS)))
+        pq.write_table(table, folder / f"shard-{shard:05d}.parquet", row_group_size=row_group_rows)
         written += n
         shard += 1
 
 
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """This process's peak RSS (VmHWM). Not getrusage's ru_maxrss: that survives fork + exec, so a child would
+    report the parent's peak (here: the corpus generation)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
 def child_driver(folder: str, mode: str) -> dict:
@@ -75,14 +88,14 @@ def child_driver(folder: str, mode: str) -> dict:
     shards = discover_shards(folder)
     layout: dict = {}
     known = check_parquet_shards(shards, ("text", "id"), layout=layout)
-    pool = PoolSpec(100_000, 0, sample_cut(100_000, known), known)
-    params = ScanParams("text", "id", 10_000, 0, sample_cut(10_000, known), pool, LOCAL)
+    pool = PoolSpec(POOL, 0, sample_cut(POOL, known), known)
+    params = ScanParams("text", "id", SAMPLE_DOCS, 0, sample_cut(SAMPLE_DOCS, known), pool, LOCAL)
     if mode == "after":
         first = first_pass(shards, layout, params, tempfile.mkdtemp(prefix="bench-dups-"))
         dups, docs = first.duplicates, first.docs
     else:  # the previous design: every shard's ids (and sample, pool) come back to the driver
         scan = ray.remote(num_cpus=1)(scan_shard)
-        scans = ray.get([scan.remote(s, "text", "id", 10_000, 0, params.cut, pool, LOCAL) for s in shards])
+        scans = ray.get([scan.remote(s, "text", "id", SAMPLE_DOCS, 0, params.cut, pool, LOCAL) for s in shards])
         index = DuplicateIndex()
         for s in scans:
             rows = np.arange(len(s.ids), dtype=np.int64)
@@ -105,7 +118,7 @@ def child_task(path: str, mode: str) -> dict:
     layout: dict = {}
     known = check_parquet_shards([shard], ("text", "id"), layout=layout)
     base = _peak_mb()
-    params = ScanParams("text", "id", 10_000, 0, 0.03, PoolSpec(100_000, 0, 0.03, known), LOCAL)
+    params = ScanParams("text", "id", SAMPLE_DOCS, 0, 0.03, PoolSpec(POOL, 0, 0.03, known), LOCAL)
     out = scan_unit(shard, 0 if mode == "after" else -1, 0, params, [DuplicateIndex()], remote=False)
     return {"rows": out["rows"], "peak_mb": round(_peak_mb(), 1), "before_scan_mb": round(base, 1)}
 
@@ -138,20 +151,22 @@ def main() -> None:
     first_peak: dict[str, float] = {}
     for docs in a.docs:
         folder = work / f"corpus-{docs}"
-        if not folder.exists():
+        if not (folder / "_done").exists():
             make_corpus(folder, docs)
+            (folder / "_done").write_text("")
         for mode in modes:
             r = run_child("driver", str(folder), mode)
             first_peak.setdefault(mode, r["peak_mb"])
             print(f"{r['docs']:>10} {mode:>7} {r['duplicates']:>7} {r['seconds']:>8} {r['peak_mb']:>8.0f} "
                   f"{r['peak_mb'] / first_peak[mode]:>5.2f}x", flush=True)
-    print("\n2. peak RSS of one scan task, one shard of 1x and 10x the rows (50 row groups each)")
+    print("\n2. peak RSS of one scan task, one shard of 1x and 10x the rows (row groups of 2,000 rows)")
     print(f"{'rows':>10} {'mode':>7} {'peak MB':>8} {'vs 1x':>6}")
     task_peak: dict[str, float] = {}
     for rows in a.task_rows:
-        folder = work / f"shard-{rows}"
-        if not folder.exists():
+        folder = work / f"shard-{rows}-rg2000"
+        if not (folder / "_done").exists():
             make_corpus(folder, rows, rows_per_shard=rows)
+            (folder / "_done").write_text("")
         for mode in modes:
             r = run_child("task", str(folder), mode)
             task_peak.setdefault(mode, r["peak_mb"])
