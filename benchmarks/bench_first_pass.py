@@ -111,7 +111,7 @@ def child_driver(folder: str, mode: str) -> dict:
 def child_task(path: str, mode: str) -> dict:
     """One scan task's work in this process: one row group (after) or the whole shard (before)."""
     from pairmine.operators.storage import LOCAL
-    from pairmine.pipeline.first_pass import DuplicateIndex, ScanParams, scan_unit
+    from pairmine.pipeline.first_pass import DuplicateIndex, ScanParams, scan_units
     from pairmine.pipeline.inputs import PoolSpec, check_parquet_shards, discover_shards
 
     shard = discover_shards(path)[0]
@@ -119,7 +119,7 @@ def child_task(path: str, mode: str) -> dict:
     known = check_parquet_shards([shard], ("text", "id"), layout=layout)
     base = _peak_mb()
     params = ScanParams("text", "id", SAMPLE_DOCS, 0, 0.03, PoolSpec(POOL, 0, 0.03, known), LOCAL)
-    out = scan_unit(shard, 0 if mode == "after" else -1, 0, params, [DuplicateIndex()], remote=False)
+    out = scan_units(shard, [(0 if mode == "after" else -1, 0)], params, [DuplicateIndex()], remote=False)[0]
     return {"rows": out["rows"], "peak_mb": round(_peak_mb(), 1), "before_scan_mb": round(base, 1)}
 
 

@@ -1,7 +1,8 @@
 """The mining job's first pass, in bounded pieces and with no per-document state in the driver (issue 15).
 
-One Ray task per *scan unit* (a parquet row group, or a whole JSONL file) reads only that unit's id and text columns
-and returns bounded summaries: its bottom-k candidates for the TF-IDF sample and for the consistency pool (merged in
+The *scan unit* is a parquet row group, or a whole JSONL file; a Ray task scans one unit, or consecutive small row
+groups of one shard up to ``TASK_ROWS`` rows, one after the other, reading only one unit's id and text columns at a
+time, and returns bounded summaries per unit: its bottom-k candidates for the TF-IDF sample and for the consistency pool (merged in
 the driver into running bottom-k buffers of ``sample_docs`` and ``pool.size`` items, whatever the number of units),
 and its row count. Its ids go to :class:`DuplicateIndex` actors by hash range (``pandas.util.hash_array`` of the id,
 modulo the number of ranges), never to the driver. Once every unit is scanned, each index finds the repeated ids of
@@ -101,21 +102,30 @@ class ScanParams:
     storage: object
 
 
-def scan_unit(shard: Shard, row_group: int, row_offset: int, params: ScanParams, indexes: list,
-              remote: bool = True) -> dict:
-    """Ray task (``remote``; else in-process with plain :class:`DuplicateIndex` objects): scan one unit
-    (:func:`pipeline.inputs.scan_shard` on one row group), send its ids to the :class:`DuplicateIndex` of their
-    hash range, return its bounded summary (rows, sample, pool candidates, the file's content hash where the shard
-    needs one)."""
-
-    t0, c0 = time.perf_counter(), time.process_time()
-    scan = scan_shard(shard, params.text_column, params.id_column, params.sample_docs, params.seed, params.cut,
-                      params.pool, params.storage, row_group=row_group)
-    ids = scan.ids
-    valid = pc.is_valid(ids).to_numpy(zero_copy_only=False)
-    rows = np.flatnonzero(valid)
-    ids = ids.filter(pa.array(valid))
-    positions = (np.int64(shard.index) << ROW_BITS) | (rows.astype(np.int64) + row_offset)
+def scan_units(shard: Shard, pieces: list[tuple[int, int]], params: ScanParams, indexes: list,
+               remote: bool = True) -> list[dict]:
+    """Ray task (``remote``; else in-process with plain :class:`DuplicateIndex` objects): scan units of one shard,
+    one after the other (:func:`pipeline.inputs.scan_shard` on one row group each: ``pieces`` are (row group, row
+    offset in the shard); row group -1: the whole JSONL file), send their ids to the :class:`DuplicateIndex` of
+    their hash range, and return one bounded summary per unit (rows, sample, pool candidates, the file's content
+    hash where the shard needs one). A task holds the ids of its units (at most ``TASK_ROWS`` rows) and the columns
+    of one unit at a time."""
+    summaries, all_ids, all_positions = [], [], []
+    for row_group, row_offset in pieces:
+        t0, c0 = time.perf_counter(), time.process_time()
+        scan = scan_shard(shard, params.text_column, params.id_column, params.sample_docs, params.seed, params.cut,
+                          params.pool, params.storage, row_group=row_group)
+        valid = pc.is_valid(scan.ids).to_numpy(zero_copy_only=False)
+        all_ids.append(scan.ids.filter(pa.array(valid)))
+        all_positions.append((np.int64(shard.index) << ROW_BITS) | (np.flatnonzero(valid).astype(np.int64) + row_offset))
+        summaries.append({"shard_index": shard.index, "row_group": row_group, "rows": scan.num_rows,
+                          "sample": scan.sample, "pool": scan.pool, "content_sha256": scan.content_sha256,
+                          "busy_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0})
+        del scan
+    t0 = time.perf_counter()
+    ids = pa.concat_arrays([a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a for a in all_ids]) \
+        if all_ids else pa.array([], pa.string())
+    positions = np.concatenate(all_positions) if all_positions else np.zeros(0, np.int64)
     which = id_ranges(ids, len(indexes))
     sent = []
     for r, index in enumerate(indexes):
@@ -129,13 +139,13 @@ def scan_unit(shard: Shard, row_group: int, row_offset: int, params: ScanParams,
         import ray
 
         ray.get(sent)  # delivered before the task ends: the driver asks the indexes only after every task has ended
-    return {"shard_index": shard.index, "row_group": row_group, "rows": scan.num_rows, "sample": scan.sample,
-            "pool": scan.pool, "content_sha256": scan.content_sha256, "busy_s": time.perf_counter() - t0,
-            "cpu_s": time.process_time() - c0}
+    if summaries:
+        summaries[-1]["busy_s"] += time.perf_counter() - t0
+    return summaries
 
 
 def write_shard_duplicates(shard_index: int, indexes: list, path: str, storage, remote: bool = True) -> int:
-    """Ray task (or in-process, as :func:`scan_unit`): gather one shard's duplicate rows from every index, write
+    """Ray task (or in-process, as :func:`scan_units`): gather one shard's duplicate rows from every index, write
     them (sorted int64 .npy) to ``path``. Returns their number."""
     if remote:
         import ray
@@ -198,27 +208,46 @@ class FirstPass:
         return sum(self.rows_per_shard.values())
 
 
+TASK_ROWS = 65_536  # consecutive small row groups of a shard share a scan task up to this many rows
+
+
+def _tasks(todo: list) -> list[tuple[Shard, list[tuple[int, int]]]]:
+    """Scan tasks: consecutive units of one shard, up to ``TASK_ROWS`` rows (a unit larger than that, or a JSONL
+    file, alone)."""
+    tasks: list[tuple[Shard, list[tuple[int, int]]]] = []
+    rows_in_last = 0
+    for shard, rg, offset, rows in todo:
+        if tasks and tasks[-1][0] is shard and rg >= 0 and rows_in_last + rows <= TASK_ROWS:
+            tasks[-1][1].append((rg, offset))
+            rows_in_last += rows
+        else:
+            tasks.append((shard, [(rg, offset)]))
+            rows_in_last = rows if rg >= 0 else TASK_ROWS
+    return tasks
+
+
 def _scans(todo: list, params: ScanParams, indexes: list, in_process: bool):
-    """Scan summaries of every unit, as they finish (at most twice the cluster's CPUs in flight)."""
+    """Scan summaries of every unit, as their tasks finish (at most twice the cluster's CPUs in flight)."""
+    tasks = _tasks(todo)
     if in_process:
-        for shard, rg, offset in todo:
-            yield scan_unit(shard, rg, offset, params, indexes, remote=False)
+        for shard, pieces in tasks:
+            yield from scan_units(shard, pieces, params, indexes, remote=False)
         return
     import ray
 
-    scan = ray.remote(num_cpus=1)(scan_unit)
+    scan = ray.remote(num_cpus=1)(scan_units)
     window = max(4, 2 * int(ray.cluster_resources().get("CPU", 1)))
     pending: dict = {}
     nxt = 0
-    while nxt < len(todo) or pending:
-        while nxt < len(todo) and len(pending) < window:
-            shard, rg, offset = todo[nxt]
-            pending[scan.remote(shard, rg, offset, params, indexes)] = nxt
+    while nxt < len(tasks) or pending:
+        while nxt < len(tasks) and len(pending) < window:
+            shard, pieces = tasks[nxt]
+            pending[scan.remote(shard, pieces, params, indexes)] = nxt
             nxt += 1
         done, _ = ray.wait(list(pending), num_returns=1)
         for ref in done:
             pending.pop(ref)
-            yield ray.get(ref)
+            yield from ray.get(ref)
 
 
 def first_pass(shards: list[Shard], layout: dict[int, list[int]], params: ScanParams, duplicates_dir: str,
@@ -239,15 +268,15 @@ def first_pass(shards: list[Shard], layout: dict[int, list[int]], params: ScanPa
         What a scan raises (InputError, MissingColumnError, ColumnTypeError, StorageError), through Ray.
     """
     t0 = time.time()
-    todo = []  # (shard, row group, row offset)
+    todo = []  # (shard, row group, row offset, rows)
     for shard in shards:
         if shard.format == "parquet":
             offset = 0
             for rg, rows in enumerate(layout.get(shard.index, [])):
-                todo.append((shard, rg, offset))
+                todo.append((shard, rg, offset, rows))
                 offset += rows
         else:
-            todo.append((shard, -1, 0))
+            todo.append((shard, -1, 0, 0))
     expected = sum(sum(v) for v in layout.values()) + sum(s.size // 500 for s in shards if s.format != "parquet")
     ranges = ranges or index_ranges(expected)
     if in_process:
@@ -293,7 +322,7 @@ def first_pass(shards: list[Shard], layout: dict[int, list[int]], params: ScanPa
                 ray.kill(i)
     rows_per_shard = {s.index: 0 for s in shards}
     units = []
-    for shard, rg, offset in todo:
+    for shard, rg, offset, _ in todo:
         rows_per_shard[shard.index] += rows_by_unit[(shard.index, rg)]
         units.append({"shard_index": shard.index, "path": shard.path, "format": shard.format, "row_group": rg,
                       "row_offset": offset, "duplicates": paths.get(shard.index, "")})
@@ -304,5 +333,5 @@ def first_pass(shards: list[Shard], layout: dict[int, list[int]], params: ScanPa
         pool_passages=[t for *_, t in chosen], pool_hashes=np.array([c[3] for c in chosen], dtype=np.int64),
         content_hashes=content, ranges=ranges,
         figures={"stage": "first pass", "wall_s": round(time.time() - t0, 2), "busy_s": round(busy, 2),
-                 "cpu_s": round(cpu, 2), "tasks": len(todo), "rows_out": sum(rows_by_unit.values())},
+                 "cpu_s": round(cpu, 2), "tasks": len(_tasks(todo)), "rows_out": sum(rows_by_unit.values())},
     )

@@ -122,6 +122,7 @@ def test_duplicates_across_row_groups_and_shards(tmp_path):
     for ranges in (1, 4):
         _, first, units = _plan(tmp_path, ranges=ranges)
         assert len(units) == 7 + 1 and [u["row_offset"] for u in units[:3]] == [0, 16, 32]
+        assert first.figures["tasks"] == 2 and first.figures["rows_out"] == 103  # small row groups share a task
         assert _duplicates(first) == {0: list(range(40, 100)), 1: [0, 2]} and first.duplicates == 62
         docs = ReadDocuments()(pa.Table.from_pylist(units))
         reasons = docs.column("skip_reason").to_pylist()
