@@ -4,8 +4,10 @@ Any HuggingFace encoder loadable with ``transformers.AutoModel`` (a local folder
 the attention mask, then L2 normalisation (the E5 / all-MiniLM recipe). Passages of a batch of documents are
 flattened, tokenised, and grouped by padded length: each passage is padded to the next multiple of
 :data:`PAD_MULTIPLE` tokens and a forward batch only holds passages of one padded length. So a passage's vector does
-not depend on which other passages share its batch (on CPU it is bitwise the same for any batch size), and padding
-stays small. Vectors are put back in document order. One model per operator instance, loaded once in :meth:`Embedder.setup`.
+not depend on which other passages share its batch (to ~1e-7: bitwise on some CPUs, but the matmul kernels a CPU
+picks for another batch size may sum in another order, so rankings compare scores on a grid,
+:data:`pairmine.operators.related.SCORE_RESOLUTION`), and padding stays small. Vectors are put back in document
+order. One model per operator instance, loaded once in :meth:`Embedder.setup`.
 """
 
 from __future__ import annotations
@@ -175,8 +177,8 @@ class Embedder:
         trust_remote_code: passed to transformers; off unless the user sets it.
         known: optional zero-argument callable, called once in :meth:`setup`, returning vectors this model already
             computed with this prefix (:func:`known_vectors`): a passage whose prefixed text is among them gets that
-            vector without a forward pass (mining reuses the consistency pool's vectors; on CPU they are bitwise
-            the vectors a forward pass would give, since a vector does not depend on its batch). Which passages of
+            vector without a forward pass (mining reuses the consistency pool's vectors; they equal the vectors a
+            forward pass would give to ~1e-7, since a vector does not depend on its batch). Which passages of
             the last call did: ``last_reused``.
 
     Input column: ``passages`` (list<string>). Raises whatever transformers raises when the model cannot load.

@@ -160,3 +160,37 @@ def tiny_run(tmp_path_factory, tiny_model_dir, sample_dir):
                                  "output.run_id=tiny", f"embed.model={tiny_model_dir}", "embed.dtype=float32",
                                  "anchors.threshold=0.995", "consistency.k=100000"])
     return out / "tiny", mine(cfg)
+
+
+SCORE_ATOL = 1e-5
+"""How far a score column of two runs of the same input may differ. A passage's vector is the same to ~1e-7 whatever
+its batch (a batch holds passages of one padded length, but the matmul kernels a CPU picks for other batch sizes may
+sum in another order; bitwise on some CPUs, not on all, as a clean-clone CI showed), so scores are compared within
+this and everything else (ids, texts, related indices, counts) exactly."""
+
+
+def assert_same_groups(a, b, atol: float = SCORE_ATOL) -> None:
+    """Two group tables hold the same groups: the same rows in the same order, every non-float column equal, every
+    float column (or list of floats) within ``atol``.
+
+    Raises:
+        AssertionError: naming the first column that differs.
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    assert a.num_rows == b.num_rows > 0 and a.schema.names == b.schema.names, (a.num_rows, b.num_rows, a.schema.names)
+    for name in a.schema.names:
+        col_a, col_b = a.column(name), b.column(name)
+        t = col_a.type
+        floating = pa.types.is_floating(t) or (pa.types.is_list(t) and pa.types.is_floating(t.value_type))
+        if not floating:
+            assert col_a.equals(col_b), f"column {name} differs"
+            continue
+        if pa.types.is_list(t):
+            assert pc.list_value_length(col_a).equals(pc.list_value_length(col_b)), f"column {name}: list lengths differ"
+            col_a, col_b = pc.list_flatten(col_a), pc.list_flatten(col_b)
+        va, vb = col_a.to_numpy(zero_copy_only=False), col_b.to_numpy(zero_copy_only=False)
+        assert np.allclose(va, vb, atol=atol, rtol=0, equal_nan=True), \
+            f"column {name}: largest difference {np.nanmax(np.abs(va - vb)):.3g} > {atol}"

@@ -9,11 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import assert_same_groups
 from tests.raycluster import RayNode
 
 pytestmark = pytest.mark.cluster
@@ -104,11 +103,7 @@ def test_submitted_job_mines_what_a_local_run_mines(cluster, ray_local, tiny_mod
     print(f"\ntwo-node job {job_s:.1f} s (submission to end), local run {time.time() - t0:.1f} s")
     job = pq.read_table(tmp_path / "cluster" / "job" / "groups").drop_columns(["run_id"])
     local = pq.read_table(tmp_path / "local" / "local" / "groups").drop_columns(["run_id"])
-    exact = ["group_id", "doc_id", "anchor_index", "anchor_text", "related_indices", "related_texts", "n_above"]
-    assert job.num_rows > 0 and job.select(exact).equals(local.select(exact))
-    for col in ("related_dense", "related_tfidf", "related_rrf"):
-        assert np.allclose(pc.list_flatten(job.column(col)).to_numpy(), pc.list_flatten(local.column(col)).to_numpy(),
-                           atol=1e-4)
+    assert_same_groups(job, local, atol=1e-4)
     assert json.loads((tmp_path / "cluster" / "job" / "stats.json").read_text())["groups"] == local.num_rows
 
 

@@ -69,15 +69,16 @@ def test_padded_lengths_and_batches():
 
 
 def test_vectors_do_not_depend_on_the_batch(fp32):
-    """The same passage gets bitwise the same vector whatever else is in its batch and whatever the batch size."""
+    """The same passage gets the same vector (to 1e-6; bitwise on some CPUs, not on all: the matmul kernels picked
+    for another batch size may sum in another order) whatever else is in its batch and whatever the batch size."""
     texts = SENTENCES * 3 + ["A much longer passage about guitars, " * 6, "Short one."]
     reference = fp32.encode(texts)
     for batch_size in (1, 3, 64):
         e = Embedder(dtype="float32", device="cpu", batch_size=batch_size)
         e._tokenizer, e._model, e.dim, e.device, e.dtype = fp32._tokenizer, fp32._model, fp32.dim, "cpu", "float32"
-        assert np.array_equal(e.encode(texts), reference)
-        assert np.array_equal(e.encode(texts[::-1]), reference[::-1])
-        assert np.array_equal(e.encode(texts[4:9]), reference[4:9])
+        assert np.abs(e.encode(texts) - reference).max() < 1e-6
+        assert np.abs(e.encode(texts[::-1]) - reference[::-1]).max() < 1e-6
+        assert np.abs(e.encode(texts[4:9]) - reference[4:9]).max() < 1e-6
 
 
 def test_passages_cut_to_max_length_are_counted(fp32):
@@ -96,7 +97,7 @@ def test_passages_cut_to_max_length_are_counted(fp32):
 
 def test_known_vectors_are_reused_without_a_forward_pass(fp32):
     """The main pass of mine takes a passage's vector from the consistency pool when the pool pass computed it:
-    the same vector bitwise (a vector does not depend on its batch), counted in ``reused``."""
+    the pool's vector itself, counted in ``reused``; the others are computed (equal to a plain encode to 1e-6)."""
     from pairmine.operators.embed import known_vectors
 
     texts = SENTENCES + ["A much longer passage about guitars, " * 6, "Short one."]
@@ -107,8 +108,9 @@ def test_known_vectors_are_reused_without_a_forward_pass(fp32):
     e._tokenizer, e._model, e.dim, e.device, e.dtype = fp32._tokenizer, fp32._model, fp32.dim, "cpu", "float32"
     e._known = e._known_loader()  # what setup() does after loading the model
     vectors, truncated = e.encode_counted(texts)
-    assert np.array_equal(vectors, reference) and e.last_reused.tolist() == [False, True, False, True, False, True, False]
-    assert not truncated.any()
+    assert e.last_reused.tolist() == [False, True, False, True, False, True, False] and not truncated.any()
+    assert np.array_equal(vectors[[1, 3, 5]], pool_vectors[:3])  # taken from the pool, not recomputed
+    assert np.abs(vectors - reference).max() < 1e-6
     # A known vector is used only for the same prefixed text: with another prefix nothing matches.
-    assert np.array_equal(e.encode(texts, prefix="query: "), fp32.encode(texts, prefix="query: "))
+    assert np.abs(e.encode(texts, prefix="query: ") - fp32.encode(texts, prefix="query: ")).max() < 1e-6
     assert not e.last_reused.any()

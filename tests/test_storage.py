@@ -16,12 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
 from pairmine.operators.storage import Storage, StorageError, is_transient, redact
-from tests.conftest import S3_SECRET, Out
+from tests.conftest import S3_SECRET, Out, assert_same_groups
 
 # ---------------------------------------------------------------------------------------------------------------
 # The retry policy, on real exceptions of the libraries underneath.
@@ -156,17 +155,6 @@ def committed(o: Out, run_id: str) -> int:
 def groups_of(o: Out, run_id: str) -> pa.Table:
     t = o.table(run_id, "groups").drop_columns(["run_id"])
     return t.sort_by([("group_id", "ascending")])
-
-
-def assert_same_groups(a: pa.Table, b: pa.Table) -> None:
-    exact = ["group_id", "doc_id", "anchor_index", "anchor_text", "related_indices", "related_texts", "n_above",
-             "pool_size", "model"]
-    assert a.num_rows == b.num_rows > 0
-    assert len(set(a.column("group_id").to_pylist())) == a.num_rows  # none duplicated
-    assert a.select(exact).equals(b.select(exact))  # none lost, none added
-    for col in ("related_dense", "related_rrf"):
-        assert np.allclose(pc.list_flatten(a.column(col)).to_numpy(), pc.list_flatten(b.column(col)).to_numpy(),
-                           atol=1e-4)
 
 
 @pytest.fixture(scope="module", params=["local", "s3"])
