@@ -33,8 +33,9 @@ NULL_ID = "null_id"
 NULL_TEXT = "null_text"
 EMPTY_TEXT = "empty_text"  # empty or whitespace-only
 DUPLICATE_ID = "duplicate_id"
+DUPLICATE_TEXT = "duplicate_text"  # the exact text of an earlier document of the run, under another id
 INVALID_JSON = "invalid_json"
-SKIP_REASONS = (NULL_ID, NULL_TEXT, EMPTY_TEXT, DUPLICATE_ID, INVALID_JSON)
+SKIP_REASONS = (NULL_ID, NULL_TEXT, EMPTY_TEXT, DUPLICATE_ID, DUPLICATE_TEXT, INVALID_JSON)
 
 DOC_SCHEMA = pa.schema(
     [
@@ -55,7 +56,8 @@ UNIT_SCHEMA = pa.schema(
         ("format", pa.string()),
         ("row_group", pa.int32()),  # -1: the whole file
         ("row_offset", pa.int64()),  # row index (in the shard) of the unit's first row
-        # "" or a .npy file of row indices (in the shard) whose id appeared earlier in the run (pipeline.first_pass)
+        # "" or an .npz file of row indices (in the shard) whose id (array duplicate_id) or exact text (duplicate_text)
+        # appeared earlier in the run (pipeline.first_pass)
         ("duplicates", pa.string()),
     ]
 )
@@ -426,15 +428,17 @@ def parquet_document_columns(path: str, table: pa.Table, text_column: str, id_co
     return DocColumns(ids, texts, urls, None, rep_t | rep_i | rep_u)
 
 
-def skip_reasons(ids: pa.Array, texts: pa.Array, duplicate_mask: np.ndarray, invalid_mask: np.ndarray | None = None) -> pa.Array:
+def skip_reasons(ids: pa.Array, texts: pa.Array, duplicate_mask: np.ndarray, invalid_mask: np.ndarray | None = None,
+                 duplicate_text_mask: np.ndarray | None = None) -> pa.Array:
     """Skip reason of each document (null = usable), first matching reason wins in this order:
-    invalid_json, null_id, duplicate_id, null_text, empty_text (empty or whitespace-only)."""
+    invalid_json, null_id, duplicate_id, duplicate_text, null_text, empty_text (empty or whitespace-only)."""
     n = len(ids)
     reasons = np.full(n, None, dtype=object)
     empty = pc.fill_null(pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(texts)), 0), False).to_numpy(zero_copy_only=False)
     for mask, reason in (
         (empty, EMPTY_TEXT),
         (pc.is_null(texts).to_numpy(zero_copy_only=False), NULL_TEXT),
+        (duplicate_text_mask if duplicate_text_mask is not None else np.zeros(n, bool), DUPLICATE_TEXT),
         (duplicate_mask, DUPLICATE_ID),
         (pc.is_null(ids).to_numpy(zero_copy_only=False), NULL_ID),
         (invalid_mask if invalid_mask is not None else np.zeros(n, bool), INVALID_JSON),
@@ -473,15 +477,16 @@ class ReadDocuments:
             cols = [self.text_column, self.id_column] + ([self.url_column] if self.url_column in names else [])
             return pf.read_row_group(row_group, columns=cols) if row_group >= 0 else pf.read(columns=cols)
 
-    def _duplicates(self, path: str) -> np.ndarray:
-        """A shard's duplicate rows (int64, sorted), loaded once per file by this operator."""
+    def _duplicates(self, path: str) -> tuple[np.ndarray, np.ndarray]:
+        """A shard's duplicate rows (int64, sorted): (by id, by text), loaded once per file by this operator."""
         if not path:
-            return np.zeros(0, np.int64)
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
         if path not in self._dup_cache:
             data = self.storage.read_bytes(path)
             if len(self._dup_cache) >= 4:
                 self._dup_cache.pop(next(iter(self._dup_cache)))
-            self._dup_cache[path] = np.load(io.BytesIO(data), allow_pickle=False)
+            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+                self._dup_cache[path] = (npz["duplicate_id"], npz["duplicate_text"])
         return self._dup_cache[path]
 
     def read_unit(self, unit: dict) -> pa.Table:
@@ -494,8 +499,9 @@ class ReadDocuments:
             cols = parquet_document_columns(path, table, self.text_column, self.id_column, self.url_column)
         n = len(cols.ids)
         row_index = np.arange(unit["row_offset"], unit["row_offset"] + n, dtype=np.int64)
-        duplicate = np.isin(row_index, self._duplicates(unit.get("duplicates") or ""))
-        reasons = skip_reasons(cols.ids, cols.texts, duplicate, cols.invalid)
+        by_id, by_text = self._duplicates(unit.get("duplicates") or "")
+        reasons = skip_reasons(cols.ids, cols.texts, np.isin(row_index, by_id), cols.invalid,
+                               np.isin(row_index, by_text))
         # Skipped documents keep their row (to be counted) but not their text.
         texts = pc.if_else(pc.is_null(reasons), cols.texts, pa.scalar(None, pa.string()))
         return pa.Table.from_arrays(

@@ -38,6 +38,9 @@ class InputConfig:
     format: str = _f("auto", 'auto | parquet | jsonl')
     text_column: str = _f("text", "column (parquet) or key (JSONL) holding the document text; required")
     id_column: str = _f("id", "column or key holding the document id; required, duplicates inside a run are skipped")
+    skip_duplicate_texts: bool = _f(True, "skip a document whose exact text an earlier document of the run has "
+                                    "(the same page under a new id), counted as docs_skipped.duplicate_text; found "
+                                    "in the first pass by a 128-bit content hash on the workers")
     url_column: str = _f("url", "optional column passed through to every group (null when absent)")
     pair_id_column: str = _f("id", "filter-pairs: column or key holding the pair id (absent: 'shard:row')")
     query_column: str = _f("query", "filter-pairs: column or key holding the query")

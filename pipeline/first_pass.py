@@ -12,6 +12,13 @@ read operator loads for its shard. The driver holds per-unit layout (a few integ
 counts, the two bottom-k buffers and the actor handles: nothing that grows with the number of documents.
 
 Which occurrence is kept is as before: the first in run order (shard order, then row order).
+
+Exact duplicate texts (web corpora repeat pages under new ids; issue 14 item 5) are found the same way: every usable
+row's 128-bit content hash (:func:`pipeline.inputs.text_hashes`) goes with its position to the index of its hash
+range, and a row whose text an earlier usable row of the run already has is skipped as ``duplicate_text``
+(``input.skip_duplicate_texts``, on by default). A row that is both keeps the reason ``duplicate_id``. The copy kept
+is the first usable one in run order; if that copy is itself skipped as ``duplicate_id`` (its id was taken by an
+earlier, different text), the text is not mined, and both rows are counted under their reasons.
 """
 
 from __future__ import annotations
@@ -53,40 +60,65 @@ def id_ranges(ids: pa.Array, ranges: int) -> np.ndarray:
     return (h % np.uint64(ranges)).astype(np.int64)
 
 
-class DuplicateIndex:
-    """The ids of one hash range of the run, and the rows whose id appeared earlier in run order.
+def _repeated_positions(table: pa.Table, keys: list[str]) -> np.ndarray:
+    """Sorted int64 positions of the rows of ``table`` (key columns + ``pos``) whose key an earlier position has:
+    an Arrow group-by keeps the minimum position per key (the occurrence kept), every other row of a repeated key
+    is returned."""
+    first = table.group_by(keys).aggregate([("pos", "min"), ("pos", "count")])
+    repeated = first.filter(pc.greater(first.column("pos_count"), 1))
+    if repeated.num_rows == 0:
+        return np.zeros(0, np.int64)
+    joined = table.join(repeated.select([*keys, "pos_min"]), keys, join_type="inner")
+    dup = joined.filter(pc.not_equal(joined.column("pos"), joined.column("pos_min")))
+    return np.sort(dup.column("pos").to_numpy())
 
-    ``add`` takes (ids, positions) from the scan tasks; ``find`` (called once, after every unit is scanned) finds the
-    repeated ids with an Arrow group-by (minimum position per id: the occurrence kept) and returns per-shard counts;
-    ``rows(shard)`` gives that shard's duplicate rows. Positions are ``shard << ROW_BITS | row``. Null ids never
-    reach it (they are skipped as ``null_id``)."""
+
+def _per_shard(positions: np.ndarray) -> dict[int, int]:
+    shards, counts = np.unique(positions >> ROW_BITS, return_counts=True)
+    return {int(s): int(c) for s, c in zip(shards, counts)}
+
+
+def _rows_of(positions: np.ndarray, shard: int) -> np.ndarray:
+    lo, hi = np.searchsorted(positions, [shard << ROW_BITS, (shard + 1) << ROW_BITS])
+    return positions[lo:hi] & ((1 << ROW_BITS) - 1)
+
+
+class DuplicateIndex:
+    """The ids (and text hashes) of one hash range of the run, and the rows whose id (or text) appeared earlier in
+    run order.
+
+    ``add`` takes (ids, positions) from the scan tasks, ``add_texts`` (128-bit text hashes as two int64 columns,
+    positions) for usable rows; ``find`` (called once, after every unit is scanned) finds the repeated ids and texts
+    with Arrow group-bys (minimum position per key: the occurrence kept) and returns per-shard counts
+    ``{"id": {shard: n}, "text": {shard: n}}``; ``rows(shard)`` gives that shard's duplicate rows (id rows, text
+    rows). Positions are ``shard << ROW_BITS | row``. Null ids never reach it (they are skipped as ``null_id``)."""
 
     def __init__(self):
         self.parts: list[pa.Table] = []
+        self.text_parts: list[pa.Table] = []
         self.duplicates = np.zeros(0, np.int64)
+        self.duplicate_texts = np.zeros(0, np.int64)
 
     def add(self, ids: pa.Array, positions: np.ndarray) -> int:
         self.parts.append(pa.table({"id": ids, "pos": pa.array(positions, pa.int64())}))
         return len(ids)
 
-    def find(self) -> dict[int, int]:
-        if not self.parts:
-            return {}
-        table = pa.concat_tables(self.parts)
-        self.parts = []
-        first = table.group_by("id").aggregate([("pos", "min"), ("pos", "count")])
-        repeated = first.filter(pc.greater(first.column("pos_count"), 1))
-        if repeated.num_rows == 0:
-            return {}
-        joined = table.join(repeated.select(["id", "pos_min"]), "id", join_type="inner")
-        dup = joined.filter(pc.not_equal(joined.column("pos"), joined.column("pos_min")))
-        self.duplicates = np.sort(dup.column("pos").to_numpy())
-        shards, counts = np.unique(self.duplicates >> ROW_BITS, return_counts=True)
-        return {int(s): int(c) for s, c in zip(shards, counts)}
+    def add_texts(self, hashes: np.ndarray, positions: np.ndarray) -> int:
+        """``hashes`` (n, 2) int64 (:func:`pipeline.inputs.text_hashes`), ``positions`` (n,) int64."""
+        self.text_parts.append(pa.table({"h1": pa.array(hashes[:, 0]), "h2": pa.array(hashes[:, 1]),
+                                         "pos": pa.array(positions, pa.int64())}))
+        return len(positions)
 
-    def rows(self, shard: int) -> np.ndarray:
-        lo, hi = np.searchsorted(self.duplicates, [shard << ROW_BITS, (shard + 1) << ROW_BITS])
-        return self.duplicates[lo:hi] & ((1 << ROW_BITS) - 1)
+    def find(self) -> dict[str, dict[int, int]]:
+        if self.parts:
+            self.duplicates = _repeated_positions(pa.concat_tables(self.parts), ["id"])
+        if self.text_parts:
+            self.duplicate_texts = _repeated_positions(pa.concat_tables(self.text_parts), ["h1", "h2"])
+        self.parts, self.text_parts = [], []
+        return {"id": _per_shard(self.duplicates), "text": _per_shard(self.duplicate_texts)}
+
+    def rows(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        return _rows_of(self.duplicates, shard), _rows_of(self.duplicate_texts, shard)
 
 
 @dataclass
@@ -100,6 +132,7 @@ class ScanParams:
     cut: float
     pool: PoolSpec | None
     storage: object
+    duplicate_texts: bool = True  # find exact duplicate texts (input.skip_duplicate_texts)
 
 
 def scan_units(shard: Shard, pieces: list[tuple[int, int]], params: ScanParams, indexes: list,
@@ -110,14 +143,18 @@ def scan_units(shard: Shard, pieces: list[tuple[int, int]], params: ScanParams, 
     their hash range, and return one bounded summary per unit (rows, sample, pool candidates, the file's content
     hash where the shard needs one). A task holds the ids of its units (at most ``TASK_ROWS`` rows) and the columns
     of one unit at a time."""
-    summaries, all_ids, all_positions = [], [], []
+    summaries, all_ids, all_positions, all_hashes, hash_positions = [], [], [], [], []
     for row_group, row_offset in pieces:
         t0, c0 = time.perf_counter(), time.process_time()
         scan = scan_shard(shard, params.text_column, params.id_column, params.sample_docs, params.seed, params.cut,
-                          params.pool, params.storage, row_group=row_group)
+                          params.pool, params.storage, row_group=row_group, hash_texts=params.duplicate_texts)
         valid = pc.is_valid(scan.ids).to_numpy(zero_copy_only=False)
         all_ids.append(scan.ids.filter(pa.array(valid)))
-        all_positions.append((np.int64(shard.index) << ROW_BITS) | (np.flatnonzero(valid).astype(np.int64) + row_offset))
+        base = np.int64(shard.index) << ROW_BITS
+        all_positions.append(base | (np.flatnonzero(valid).astype(np.int64) + row_offset))
+        if scan.text_hashes is not None:
+            all_hashes.append(scan.text_hashes[scan.usable])
+            hash_positions.append(base | (np.flatnonzero(scan.usable).astype(np.int64) + row_offset))
         summaries.append({"shard_index": shard.index, "row_group": row_group, "rows": scan.num_rows,
                           "sample": scan.sample, "pool": scan.pool, "content_sha256": scan.content_sha256,
                           "busy_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0})
@@ -127,14 +164,22 @@ def scan_units(shard: Shard, pieces: list[tuple[int, int]], params: ScanParams, 
         if all_ids else pa.array([], pa.string())
     positions = np.concatenate(all_positions) if all_positions else np.zeros(0, np.int64)
     which = id_ranges(ids, len(indexes))
+    hashes = np.concatenate(all_hashes) if all_hashes else np.zeros((0, 2), np.int64)
+    text_positions = np.concatenate(hash_positions) if hash_positions else np.zeros(0, np.int64)
+    text_range = (hashes[:, 0].view(np.uint64) % np.uint64(len(indexes))).astype(np.int64)
     sent = []
     for r, index in enumerate(indexes):
-        mask = which == r
+        mask, text_mask = which == r, text_range == r
         if mask.any():
             if remote:
                 sent.append(index.add.remote(ids.filter(pa.array(mask)), positions[mask]))
             else:
                 index.add(ids.filter(pa.array(mask)), positions[mask])
+        if text_mask.any():
+            if remote:
+                sent.append(index.add_texts.remote(hashes[text_mask], text_positions[text_mask]))
+            else:
+                index.add_texts(hashes[text_mask], text_positions[text_mask])
     if sent:
         import ray
 
@@ -144,20 +189,25 @@ def scan_units(shard: Shard, pieces: list[tuple[int, int]], params: ScanParams, 
     return summaries
 
 
-def write_shard_duplicates(shard_index: int, indexes: list, path: str, storage, remote: bool = True) -> int:
+def write_shard_duplicates(shard_index: int, indexes: list, path: str, storage,
+                           remote: bool = True) -> tuple[int, int, int]:
     """Ray task (or in-process, as :func:`scan_units`): gather one shard's duplicate rows from every index, write
-    them (sorted int64 .npy) to ``path``. Returns their number."""
+    them to ``path`` as an .npz of two sorted int64 arrays of row indices in the shard, ``duplicate_id`` and
+    ``duplicate_text`` (what :class:`operators.read.ReadDocuments` loads; a row that is both is only in
+    ``duplicate_id``). Returns (duplicate ids, duplicate texts found, duplicate texts written)."""
     if remote:
         import ray
 
         parts = ray.get([i.rows.remote(shard_index) for i in indexes])
     else:
         parts = [i.rows(shard_index) for i in indexes]
-    rows = np.sort(np.concatenate([np.zeros(0, np.int64), *parts]))
+    by_id = np.sort(np.concatenate([np.zeros(0, np.int64), *(p[0] for p in parts)]))
+    by_text = np.sort(np.concatenate([np.zeros(0, np.int64), *(p[1] for p in parts)]))
+    text_only = np.setdiff1d(by_text, by_id, assume_unique=True)  # sorted
     buf = io.BytesIO()
-    np.save(buf, rows, allow_pickle=False)
+    np.savez(buf, duplicate_id=by_id, duplicate_text=text_only)
     storage.write_bytes(path, buf.getvalue())
-    return len(rows)
+    return len(by_id), len(by_text), len(text_only)
 
 
 class Lowest:
@@ -185,6 +235,8 @@ class FirstPass:
         rows_per_shard: rows of every shard, by shard index.
         units: the read operator's work units (``operators.read.UNIT_SCHEMA``), one per row group / JSONL file.
         duplicates: ids that repeat an earlier one (rows skipped as ``duplicate_id``), over the whole input.
+        duplicate_texts: rows skipped as ``duplicate_text`` (their exact text is an earlier usable row's, and they
+            are not a ``duplicate_id``), over the whole input; 0 when not looked for.
         sample: the TF-IDF sample texts (the ``sample_docs`` lowest priorities over the input).
         pool_passages, pool_hashes: the consistency pool candidates (``pool.size`` lowest priorities), hashes (n,).
         content_hashes: ``sha256:...`` of multipart-uploaded shards, by shard index.
@@ -201,6 +253,7 @@ class FirstPass:
     pool_hashes: np.ndarray | None = None
     content_hashes: dict[int, str] = field(default_factory=dict)
     ranges: int = 1
+    duplicate_texts: int = 0
     figures: dict = field(default_factory=dict)  # the first pass's row of the per-stage figures (stats.json)
 
     @property
@@ -304,18 +357,20 @@ def first_pass(shards: list[Shard], layout: dict[int, list[int]], params: ScanPa
             if time.time() - last_log >= progress_every_s:
                 last_log = time.time()
                 log.info("first pass: %d of %d unit(s) scanned (%.0f s)", len(rows_by_unit), len(todo), last_log - t0)
-        per_shard: Counter = Counter()
+        per_shard: Counter = Counter()  # duplicate ids by shard
+        text_per_shard: Counter = Counter()  # duplicate texts by shard (rows; some may also be duplicate ids)
         for counts in ([i.find() for i in indexes] if in_process else ray.get([i.find.remote() for i in indexes])):
-            per_shard.update(counts)
-        paths = {s: f"{duplicates_dir}/shard-{s:05d}.npy" for s in per_shard}
+            per_shard.update(counts["id"])
+            text_per_shard.update(counts["text"])
+        paths = {s: f"{duplicates_dir}/shard-{s:05d}.npz" for s in set(per_shard) | set(text_per_shard)}
         if in_process:
-            written = [write_shard_duplicates(s, indexes, paths[s], params.storage, False) for s in sorted(per_shard)]
+            written = [write_shard_duplicates(s, indexes, paths[s], params.storage, False) for s in sorted(paths)]
         else:
             write = ray.remote(num_cpus=0.25)(write_shard_duplicates)
-            written = ray.get([write.remote(s, indexes, paths[s], params.storage) for s in sorted(per_shard)])
-        if sum(written) != sum(per_shard.values()):
-            raise RuntimeError(f"duplicate rows written ({sum(written)}) differ from those found "
-                               f"({sum(per_shard.values())})")
+            written = ray.get([write.remote(s, indexes, paths[s], params.storage) for s in sorted(paths)])
+        found = (sum(per_shard.values()), sum(text_per_shard.values()))
+        if (sum(w[0] for w in written), sum(w[1] for w in written)) != found:
+            raise RuntimeError(f"duplicate rows written ({written}) differ from those found ({found})")
     finally:
         if not in_process:
             for i in indexes:
@@ -329,6 +384,7 @@ def first_pass(shards: list[Shard], layout: dict[int, list[int]], params: ScanPa
     chosen = pool.result()
     return FirstPass(
         rows_per_shard=rows_per_shard, units=units, duplicates=sum(per_shard.values()),
+        duplicate_texts=sum(w[2] for w in written),
         sample=[t for *_, t in sample.result()],
         pool_passages=[t for *_, t in chosen], pool_hashes=np.array([c[3] for c in chosen], dtype=np.int64),
         content_hashes=content, ranges=ranges,

@@ -80,6 +80,10 @@ class ShardScan:
     sample: list[tuple[float, str]] = field(default_factory=list)  # (priority, text) of the sampled documents
     pool: list[tuple[float, int, str]] = field(default_factory=list)  # (priority, doc hash, passage) pool candidates
     content_sha256: str = ""  # "sha256:<hex>" of the whole file, for a multipart-uploaded object only (see below)
+    # (rows, 2) int64 128-bit content hashes of the texts (text_hashes()), and which rows are usable (the read stage's
+    # rules, ids not yet compared): only usable texts take part in duplicate_text (None unless asked for)
+    text_hashes: np.ndarray | None = None
+    usable: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -240,9 +244,25 @@ def sample_cut(sample_docs: int, known_rows: int) -> float:
     return 1.0 if known_rows <= 0 else min(1.0, 3.0 * sample_docs / known_rows)
 
 
+TEXT_HASH_KEYS = ("pairmine-text-k1", "pairmine-text-k2")  # two SipHash keys (16 bytes each): a 128-bit hash
+
+
+def text_hashes(texts: pa.Array) -> np.ndarray:
+    """(n, 2) int64: a 128-bit content hash of every text (two ``pandas.util.hash_array`` SipHash-2-4 passes with
+    fixed keys, deterministic across processes and machines); null texts hash like the empty string. Two different
+    texts share a hash with probability ~2^-128 per pair, so a billion documents repeat none by chance."""
+    import pandas as pd
+
+    values = np.asarray(pc.fill_null(texts, "").to_numpy(zero_copy_only=False), dtype=object)
+    if len(values) == 0:
+        return np.zeros((0, 2), np.int64)
+    return np.stack([pd.util.hash_array(values, hash_key=k, categorize=False).view(np.int64)
+                     for k in TEXT_HASH_KEYS], axis=1)
+
+
 def scan_shard(
     shard: Shard, text_column: str, id_column: str, sample_docs: int, seed: int, cut: float = 1.0,
-    pool: PoolSpec | None = None, storage: Storage = LOCAL, row_group: int | None = None,
+    pool: PoolSpec | None = None, storage: Storage = LOCAL, row_group: int | None = None, hash_texts: bool = False,
 ) -> ShardScan:
     """First pass over one shard, or over one of its row groups (``row_group``: a parquet row group's index; None or
     -1: the whole file).
@@ -257,6 +277,9 @@ def scan_shard(
     (a second seeded priority) are chunked, each passage gets its own seeded priority, and the shard returns its
     lowest ``2 * size * (its share of the rows)`` passages, so the lowest ``size`` over all shards are a uniform,
     seeded sample of the input's passages.
+
+    With ``hash_texts``, the scan also returns every text's content hash (:func:`text_hashes`) and which rows are
+    usable, for the run-wide ``duplicate_text`` step of :mod:`pipeline.first_pass`.
 
     Texts and ids are decoded as the read stage decodes them (:func:`operators.read.parquet_document_columns`,
     :func:`operators.read.jsonl_document_columns`): invalid UTF-8 replaced, compressed JSONL decompressed.
@@ -301,8 +324,10 @@ def scan_shard(
     # manifest, lets --incremental recognise such a re-upload (computed here, on a worker, while the shard is read).
     first = row_group is None or row_group <= 0
     content = content_sha256(shard.path, storage) if first and is_multipart_etag(shard.fingerprint) else ""
+    hashes = text_hashes(texts) if hash_texts else None
+    usable = pc.is_null(reasons).to_numpy(zero_copy_only=False) if hash_texts else None
     return ShardScan(shard_index=shard.index, row_group_rows=rg_rows, ids=ids, sample=sample, pool=pool_candidates,
-                     content_sha256=content)
+                     content_sha256=content, text_hashes=hashes, usable=usable)
 
 
 def shard_pool(shard: Shard, text_column: str, id_column: str, pool: PoolSpec, storage: Storage = LOCAL) -> list:

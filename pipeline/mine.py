@@ -595,7 +595,8 @@ def mine(cfg: MineConfig) -> MineResult:
     pool_spec = PoolSpec(c.pool_size, c.seed, sample_cut(c.pool_size, known_rows), known_rows, cfg.chunk.max_words,
                          cfg.chunk.min_words, cfg.chunk.max_passages) if c.enabled else None
     first = first_pass(shards, layout, ScanParams(cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs,
-                                                  cfg.tfidf.seed, cut, pool_spec, storage), f"{staging}/duplicates")
+                                                  cfg.tfidf.seed, cut, pool_spec, storage,
+                                                  cfg.input.skip_duplicate_texts), f"{staging}/duplicates")
     docs_expected = first.docs
     rows_per_shard = first.rows_per_shard
     units = first.units
@@ -640,9 +641,9 @@ def mine(cfg: MineConfig) -> MineResult:
     todo_units = [u for u in units if u["shard_index"] not in records]
     pool_passages, pool_hashes = (first.pool_passages, first.pool_hashes) if c.enabled and todo else ([], None)
     log.info(
-        "first pass: %d documents in %d work unit(s), %d duplicate id(s) (found in %d hash range(s) on the workers), "
-        "%.1f s; TF-IDF fitted on %d passages (vocabulary %d)", docs_expected, len(units), first.duplicates,
-        first.ranges, first.figures["wall_s"], len(sample_passages), len(tfidf.vocabulary),
+        "first pass: %d documents in %d work unit(s), %d duplicate id(s) and %d duplicate text(s) under other ids "
+        "(found in %d hash range(s) on the workers), %.1f s; TF-IDF fitted on %d passages (vocabulary %d)",
+        docs_expected, len(units), first.duplicates, first.duplicate_texts, first.ranges, first.figures["wall_s"], len(sample_passages), len(tfidf.vocabulary),
     )
     figures = [first.figures]  # per-stage wall/busy/CPU seconds and rows, in pipeline order (stats.json "stages")
     del first

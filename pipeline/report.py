@@ -348,9 +348,15 @@ def _summary_rows(stats: dict, manifest: dict) -> list[tuple[str, str, str]]:
         ("anchor threshold (centrality)", _num(stats.get("anchor_threshold")), "0.825 with E5"),
         ("documents in / processed / skipped",
          f"{stats.get('docs_in', 0)} / {stats.get('docs_processed', 0)} / {stats.get('docs_skipped_total', 0)}", ""),
+        ("documents skipped, by reason",
+         html.escape(", ".join(f"{r} {n}" for r, n in (stats.get("docs_skipped") or {}).items() if n) or "none"), ""),
         ("documents whose invalid UTF-8 was replaced (U+FFFD)", str(stats.get("docs_text_repaired", 0)), ""),
         ("passages / anchors (anchor rate)",
          f"{stats.get('passages', 0)} / {stats.get('anchors', 0)} ({stats.get('anchor_rate_pct', 0):.1f}%)", ""),
+        ("passages cut to embed.max_length tokens (the model saw only their start)",
+         str(stats.get("passages_token_truncated", 0)), ""),
+        ("passages dropped: repeated inside their document / under chunk.min_words",
+         f"{stats.get('passages_duplicate_dropped', 0)} / {stats.get('passages_short_dropped', 0)}", ""),
     ]
     before = stats.get("before_consistency_filter")
     filtered = stats.get("consistency_enabled", True)

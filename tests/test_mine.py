@@ -154,9 +154,12 @@ def bad_input(tmp_path_factory, sample_dir):
     })
     pq.write_table(pa.concat_tables([real, extra]), d / "a.parquet")
     longest = max(real.column("text").to_pylist(), key=len)  # a real document long enough for groups
-    lines = [json.dumps({"id": "j1", "text": longest}), "{broken json", json.dumps({"id": "j2", "text": "   "}),
+    # j1: a real document's text plus one sentence (its exact copy would be a duplicate_text, as the copies below).
+    lines = [json.dumps({"id": "j1", "text": longest + " One more sentence ends the JSONL copy."}), "{broken json", json.dumps({"id": "j2", "text": "   "}),
              json.dumps({"id": "mixed", "text": "A later document that reuses an id from the first shard."}),
-             json.dumps({"id": "repeated", "text": repeated})]
+             json.dumps({"id": "repeated", "text": repeated}),
+             # Three real documents again under new ids (issue 14 item 5): skipped as duplicate_text, no groups.
+             *[json.dumps({"id": f"copy-{i}", "text": real.column("text")[i].as_py()}) for i in range(3)]]
     (d / "b.jsonl").write_text("\n".join(lines) + "\n")
     return d
 
@@ -168,8 +171,9 @@ def test_bad_input_is_counted_and_never_crashes(bad_input, tiny_model_dir, out):
     cfg = load_config(overrides=[f"input.path={bad_input}", *out.overrides, "output.run_id=bad",
                                  f"embed.model={tiny_model_dir}", "anchors.threshold=0.0"])
     s = mine(cfg).stats
-    assert s["docs_in"] == 38 + 5
-    assert s["docs_skipped"] == {"null_id": 1, "null_text": 1, "empty_text": 3, "duplicate_id": 2, "invalid_json": 1}
+    assert s["docs_in"] == 38 + 5 + 3
+    assert s["docs_skipped"] == {"null_id": 1, "null_text": 1, "empty_text": 3, "duplicate_id": 2,
+                                 "duplicate_text": 3, "invalid_json": 1}
     assert s["docs_in"] == s["docs_with_groups"] + s["docs_without_groups"] + s["docs_skipped_total"]
     assert s["docs_truncated"] == 1 and s["passages_truncated"] == 1667 - 256  # the 1 MB single-line document
     # Passages the model saw only the start of (over embed.max_length tokens) are counted: recount them by hand.
@@ -197,6 +201,7 @@ def test_bad_input_is_counted_and_never_crashes(bad_input, tiny_model_dir, out):
     assert all(normalise_passage(g["anchor_text"]) != normalise_passage(t) for g in groups for t in g["related_texts"])
     assert "mixed" in by_doc  # control characters and mixed scripts are mined like any text
     assert "single" not in by_doc and "repeated" not in by_doc  # 1 passage each: too few for a group
+    assert not [d for d in by_doc if d.startswith("copy-")]  # the copies' texts are mined once, under the first id
     assert s["docs_without_groups_by_reason"]["too_few_passages"] >= 2
     assert "j1" in by_doc  # the JSONL shard's real document is mined like the parquet ones
     assert out.names("bad", "groups") == ["part-00000.parquet", "part-00001.parquet"]
@@ -325,7 +330,8 @@ def test_lone_surrogate_and_gzip_jsonl_are_mined(tiny_model_dir, tmp_path):
                                  f"embed.model={tiny_model_dir}", "anchors.threshold=0.0", "consistency.enabled=false"])
     s = mine(cfg).stats
     assert s["docs_in"] == 8 + 10 and s["docs_text_repaired"] == 1 and s["reconciled"]
-    assert s["docs_skipped"] == {"null_id": 0, "null_text": 0, "empty_text": 0, "duplicate_id": 8, "invalid_json": 0}
+    assert s["docs_skipped"] == {"null_id": 0, "null_text": 0, "empty_text": 0, "duplicate_id": 8,
+                                 "duplicate_text": 0, "invalid_json": 0}
     groups = pq.read_table(tmp_path / "runs" / "r" / "groups").to_pylist()
     assert any("\ufffd" in g["anchor_text"] or any("\ufffd" in t for t in g["related_texts"]) for g in groups)
 

@@ -28,11 +28,13 @@ def _plan(path, fmt="auto", storage=None, ranges=3):
     return shards, first, first.units
 
 
-def _duplicates(first) -> dict[int, list[int]]:
-    """{shard: duplicate rows} as the read operator sees them (the first pass's per-shard files)."""
+def _duplicates(first, kind: str = "duplicate_id") -> dict[int, list[int]]:
+    """{shard: duplicate rows} as the read operator sees them (the first pass's per-shard files), by id or
+    (``kind="duplicate_text"``) by text."""
     import numpy as np
 
-    return {u["shard_index"]: np.load(u["duplicates"]).tolist() for u in first.units if u["duplicates"]}
+    out = {u["shard_index"]: np.load(u["duplicates"])[kind].tolist() for u in first.units if u["duplicates"]}
+    return {shard: rows for shard, rows in out.items() if rows}
 
 
 def test_skip_reasons_parquet(tmp_path):
@@ -105,7 +107,8 @@ def test_tfidf_sample_is_seeded_and_uniform_over_shards(sample_dir):
 
 
 def test_duplicates_inside_one_shard_and_null_ids(tmp_path):
-    pq.write_table(pa.table({"id": ["a", "b", "a", None, None, "b", "a"], "text": ["t"] * 7}), tmp_path / "x.parquet")
+    pq.write_table(pa.table({"id": ["a", "b", "a", None, None, "b", "a"], "text": [f"t{i}" for i in range(7)]}),
+                   tmp_path / "x.parquet")
     _, first, units = _plan(tmp_path)
     assert _duplicates(first) == {0: [2, 5, 6]} and first.duplicates == 3
     docs = ReadDocuments()(pa.Table.from_pylist(units))
@@ -117,8 +120,9 @@ def test_duplicates_across_row_groups_and_shards(tmp_path):
     """Row groups are the first pass's units: a repeat in a later row group, or in a later shard, is found; the
     first occurrence in run order (shard, then row) is kept, whatever the number of hash ranges."""
     ids = [f"d{i % 40}" for i in range(100)]  # 0-39 first, 40-99 repeat them
-    pq.write_table(pa.table({"id": ids, "text": ["t"] * 100}), tmp_path / "a.parquet", row_group_size=16)
-    pq.write_table(pa.table({"id": ["d5", "new", "d5"], "text": ["t"] * 3}), tmp_path / "b.parquet")
+    pq.write_table(pa.table({"id": ids, "text": [f"t{i}" for i in range(100)]}), tmp_path / "a.parquet",
+                   row_group_size=16)
+    pq.write_table(pa.table({"id": ["d5", "new", "d5"], "text": ["u0", "u1", "u2"]}), tmp_path / "b.parquet")
     for ranges in (1, 4):
         _, first, units = _plan(tmp_path, ranges=ranges)
         assert len(units) == 7 + 1 and [u["row_offset"] for u in units[:3]] == [0, 16, 32]
@@ -127,6 +131,39 @@ def test_duplicates_across_row_groups_and_shards(tmp_path):
         docs = ReadDocuments()(pa.Table.from_pylist(units))
         reasons = docs.column("skip_reason").to_pylist()
         assert reasons.count("duplicate_id") == 62 and reasons[:40] == [None] * 40
+
+
+def test_duplicate_texts_under_new_ids_are_skipped_and_counted(tmp_path):
+    """Issue 14 item 5: web corpora repeat pages under new ids. A document whose exact text an earlier usable
+    document of the run has is skipped as duplicate_text (the first copy in run order is kept), across row groups
+    and shards, whatever the number of hash ranges; a row that repeats both id and text is a duplicate_id; empty
+    and null texts are never text duplicates; a text that differs by one character is not a duplicate; with
+    input.skip_duplicate_texts off nothing is looked for."""
+    page = "A page about rain gauges. It says how to read one. " * 4
+    texts_a = [page, "other page", page, "", "", page + "!", "third page", "other page"]
+    ids_a = ["p1", "p2", "copy1", "e1", "e2", "near", "p3", "p2"]  # row 7 repeats p2's id and text
+    pq.write_table(pa.table({"id": ids_a, "text": texts_a}), tmp_path / "a.parquet", row_group_size=3)
+    pq.write_table(pa.table({"id": ["copy2", "p4", "copy3", None], "text": ["third page", "fourth", page, page]}),
+                   tmp_path / "b.parquet")
+    for ranges in (1, 3, 7):
+        _, first, units = _plan(tmp_path, ranges=ranges)
+        assert _duplicates(first, "duplicate_text") == {0: [2], 1: [0, 2]} and first.duplicate_texts == 3
+        assert _duplicates(first) == {0: [7]} and first.duplicates == 1
+        reasons = ReadDocuments()(pa.Table.from_pylist(units)).column("skip_reason").to_pylist()
+        assert reasons == [None, None, "duplicate_text", "empty_text", "empty_text", None, None, "duplicate_id",
+                           "duplicate_text", None, "duplicate_text", "null_id"]
+    shards = discover_shards(str(tmp_path))
+    layout: dict = {}
+    check_parquet_shards(shards, ("text", "id"), layout=layout)
+    import tempfile
+
+    from pairmine.operators.storage import LOCAL
+
+    off = first_pass(shards, layout, ScanParams("text", "id", 100, 0, 1.0, None, LOCAL, duplicate_texts=False),
+                     tempfile.mkdtemp(prefix="pairmine-dups-"), in_process=True, ranges=3)
+    assert off.duplicate_texts == 0 and off.duplicates == 1
+    reasons = ReadDocuments()(pa.Table.from_pylist(off.units)).column("skip_reason").to_pylist()
+    assert reasons.count("duplicate_text") == 0 and reasons.count("duplicate_id") == 1
 
 
 # ---- text that is not valid UTF-8 or not text, compressed JSONL (issue 14 items 1 and 2) ----------------------------

@@ -28,6 +28,11 @@ def test_report_on_a_mined_run(tiny_run, tmp_path):
     s = mined.stats
     assert "anchor threshold (centrality)" in page and "0.995" in page
     assert f"{s['passage_coverage_pct']:.1f}%" in page and f"{s['groups']} / {s['groups_per_doc']:.2f}" in page
+    # Every count a user needs to trust the run is on the page (issue 14 items 4 and 5), with stats.json's values.
+    assert ('passages cut to embed.max_length tokens (the model saw only their start)</td>'
+            f'<td class="n">{s["passages_token_truncated"]}</td>') in page
+    skipped = ", ".join(f"{r} {n}" for r, n in s["docs_skipped"].items() if n) or "none"
+    assert f'documents skipped, by reason</td><td class="n">{skipped}</td>' in page
     # The figures before the consistency filter sit beside the paper's column (seed 000 has no filter).
     b = s["before_consistency_filter"]
     assert "<b>before the consistency filter</b>" in page and "<b>after the consistency filter</b>" in page
