@@ -85,7 +85,7 @@ the objective (seed 000, xPRT; weights are [loss] keys):
   5 encoder passes per group (anchor + 4 related, each with a 15% mask) give the sentence vectors (mean pooling).
 
 output (--output, local or s3://):
-  ray-train/checkpoint_*/      checkpoints every checkpoint.every_steps steps; the same command resumes from the latest
+  ray-train/checkpoint_step_N/ checkpoints every checkpoint.every_steps steps; the same command resumes from the latest
   metrics.jsonl                one line per step: every loss term, retention weight, lr, grad norm, groups/s
   export/                      the trained encoder (save_pretrained) + tokenizer: transformers.AutoModel loads it
   train_manifest.json          resolved config, groups, steps, versions

@@ -10,18 +10,30 @@
 
 Output folder (``--output``, local or s3://):
 
-    <output>/ray-train/checkpoint_*/   Ray Train checkpoints (state.pt: model, optimizer, schedule, step)
+    <output>/ray-train/checkpoint_step_N/
+                                       Ray Train checkpoints (state.pt: model, optimizer, schedule, step;
+                                       pairmine_checkpoint.json: the step and state.pt's size, which tells a
+                                       complete checkpoint from a partly written one)
     <output>/metrics.jsonl             one JSON line per step: every loss term, weights, lr, grad norm, groups/s
     <output>/export/                   the trained encoder (save_pretrained) + tokenizer: AutoModel loads it, and
                                        ``pairmine mine --set embed.model=<output>/export`` mines with it
     <output>/train_manifest.json       resolved config, groups, steps, versions
 
-Re-running the same command with the same ``--output`` resumes from the latest checkpoint.
+Re-running the same command with the same ``--output`` resumes from the latest complete checkpoint
+(:func:`plan_resume` says which, and removes stray ones) and skips the batches of its epoch already trained: the
+epoch's order is seeded and Ray Data keeps it (``preserve_order``), so step N of a resumed run trains the groups
+step N of an uninterrupted run trains (``batch`` in metrics.jsonl is a digest of each step's groups).
+
+Storage: the manifest, metrics.jsonl (whole-file writes), the export and the stray-checkpoint clean-up go through
+:class:`operators.storage.Storage` (retried like mining's); Ray Train uploads its own checkpoints and snapshot
+(pyarrow, its own error handling, not retried by pairmine).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import io
 import json
 import logging
 import math
@@ -52,6 +64,10 @@ def _type_name(t) -> str:
         return f"list<{_type_name(t.value_type)}>"
     return "string" if pa.types.is_large_string(t) else str(t)
 STATE_FILE = "state.pt"
+# Written next to state.pt in every checkpoint: {"step", "epoch", "state_bytes"} (see _checkpoint_step).
+CHECKPOINT_MARKER = "pairmine_checkpoint.json"
+# Ray Train's record of the checkpoints it registered, in the run folder (<output>/<checkpoint.name>/).
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 
 
 @dataclass
@@ -62,6 +78,23 @@ class TrainResult:
     export_dir: str
     steps: int
     metrics: dict | None
+    groups_per_epoch_trained: int = 0
+    groups_per_epoch_left_out: int = 0
+
+
+def epoch_accounting(n_groups: int, batch_size: int) -> tuple[int, int, int]:
+    """Steps per epoch and the groups one epoch trains and leaves out.
+
+    Each of the W workers gets ``n_groups // W`` groups (Ray Data's equal streaming split drops the rest) and
+    trains full batches of ``batch_size // W`` (``drop_last``), so an epoch is ``n_groups // batch_size`` steps
+    and the groups that do not fill a last global batch are left out of that epoch (which ones depends on the
+    epoch's seeded order). E.g. 43 groups, batch 4 (2 workers x 2): 10 steps, 40 trained, 3 left out.
+
+    Returns:
+        (steps per epoch, groups trained per epoch, groups left out per epoch).
+    """
+    steps = n_groups // batch_size
+    return steps, steps * batch_size, n_groups - steps * batch_size
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -264,10 +297,148 @@ class MetricsLog:
 
 
 def _save_state(model, optimizer, scheduler, step: int, epoch: int, folder: str) -> None:
+    """Write a checkpoint into ``folder``: ``state.pt`` (model, optimizer, schedule, step, epoch) and
+    ``pairmine_checkpoint.json`` (step, epoch and state.pt's size in bytes). Ray Train copies the folder file by
+    file; a copy cut short leaves a state.pt of another size than the marker records (or no marker), which
+    :func:`plan_resume` treats as incomplete."""
     import torch
 
+    state = os.path.join(folder, STATE_FILE)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "step": step, "epoch": epoch}, os.path.join(folder, STATE_FILE))
+                "step": step, "epoch": epoch}, state)
+    with open(os.path.join(folder, CHECKPOINT_MARKER), "w") as f:
+        json.dump({"step": step, "epoch": epoch, "state_bytes": os.path.getsize(state)}, f)
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """The folder of the checkpoint saved after ``step`` under ``<output>/<checkpoint.name>/``."""
+    return f"checkpoint_step_{step:08d}"
+
+
+def _checkpoint_step(storage, folder: str) -> int | None:
+    """The step of the checkpoint in ``folder`` when it is complete: its ``pairmine_checkpoint.json`` reads and
+    its ``state.pt`` has the size the marker records. None when it is not (no marker, an unreadable one, no
+    state.pt or one of another size: an upload cut short)."""
+    try:
+        marker = json.loads(storage.read_bytes(f"{folder}/{CHECKPOINT_MARKER}"))
+        step, size = int(marker["step"]), int(marker["state_bytes"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+    info = storage.info(f"{folder}/{STATE_FILE}")
+    return step if info is not None and int(info.get("size", -1)) == size else None
+
+
+def _registered_checkpoints(storage, run_folder: str) -> set[str] | None:
+    """Folder names of the checkpoints Ray Train's snapshot (``checkpoint_manager_snapshot.json``) names: every
+    ``checkpoint_dir_name`` value in it, wherever it sits (the snapshot's layout is Ray's). An empty set when there
+    is no snapshot; None when it is unreadable (Ray Train reports that itself)."""
+    path = f"{run_folder.rstrip('/')}/{RAY_SNAPSHOT}"
+    if not storage.exists(path):
+        return set()
+    try:
+        data = json.loads(storage.read_bytes(path))
+    except ValueError:
+        return None
+    names: set[str] = set()
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "checkpoint_dir_name" and isinstance(v, str):
+                    names.add(v)
+                else:
+                    walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(data)
+    return names
+
+
+@dataclass
+class ResumePlan:
+    """What :func:`plan_resume` decided for a run folder."""
+
+    resume_from: str | None = None  # a stray checkpoint folder the workers load instead of Ray Train's latest
+    resume_step: int = 0  # the stray's step (0 when resume_from is None)
+    removed: tuple[str, ...] = ()  # the stray folders removed, each "name (why)"
+
+
+def plan_resume(storage, run_folder: str) -> ResumePlan:
+    """Decide which checkpoint a run resumes from, before Ray Train starts; remove the stray ones.
+
+    The rule. Ray Train resumes from the newest checkpoint its snapshot registers. A ``checkpoint_*`` folder the
+    snapshot does not name is a stray: a run stopped between Ray Train's "checkpoint created" (the upload) and its
+    snapshot, or in the middle of the upload. A complete stray (see :func:`_checkpoint_step`) newer than every
+    registered checkpoint is the latest state of the run: the workers resume from it (``resume_from``) and the
+    driver removes it once the run has written newer checkpoints (Ray Train's ``checkpoint.keep`` never counts
+    it). Every other stray (incomplete, or not newer) is removed now. Registered checkpoints are never touched.
+    Each decision is logged.
+
+    Args:
+        storage: the run's :class:`operators.storage.Storage` (retried listing, reads, removal).
+        run_folder: ``<output>/<checkpoint.name>`` (Ray Train's run folder), local or s3://.
+    """
+    def name(path: str) -> str:
+        return path.rstrip("/").rsplit("/", 1)[-1]
+
+    run_folder = run_folder.rstrip("/")
+    folders = [p for p in storage.ls(run_folder)
+               if name(p).startswith("checkpoint_") and (storage.info(p) or {}).get("type") == "directory"]
+    if not folders:
+        return ResumePlan()
+    registered = _registered_checkpoints(storage, run_folder)
+    if registered is None:
+        log.warning("%s/%s is unreadable: the checkpoints in %s are left as they are", run_folder, RAY_SNAPSHOT,
+                    run_folder)
+        return ResumePlan()
+    steps = {p: _checkpoint_step(storage, p) for p in folders}
+    known = [steps[p] for p in folders if name(p) in registered]
+    # A registered checkpoint of an older pairmine has no marker: its step is unknown, so no stray outranks it.
+    newest = max((s if s is not None else math.inf for s in known), default=-1)
+    strays = [p for p in folders if name(p) not in registered]
+    complete = [p for p in strays if steps[p] is not None and steps[p] > newest]
+    use = max(complete, key=lambda p: steps[p]) if complete else None
+    removed = []
+    for p in strays:
+        if p == use:
+            continue
+        ref = steps[use] if use else newest
+        why = ("incomplete: no readable pairmine_checkpoint.json or a state.pt of another size" if steps[p] is None
+               else f"step {steps[p]}, not newer than the checkpoint the run resumes from"
+                    + (f" (step {ref})" if ref != math.inf else ""))
+        log.warning("removing stray checkpoint %s (%s): Ray Train's snapshot does not name it", p, why)
+        storage.rm(p)
+        removed.append(f"{name(p)} ({why})")
+    if use is None:
+        return ResumePlan(removed=tuple(removed))
+    log.warning("checkpoint %s (step %d) is complete but Ray Train's snapshot does not name it (the last run stopped "
+                "before Ray Train registered it): resuming from it, the newest state of the run", use, steps[use])
+    return ResumePlan(resume_from=use, resume_step=steps[use], removed=tuple(removed))
+
+
+def batch_digest(keys, world: int, device) -> str:
+    """An order-free digest of the groups of one global batch: the sum mod 2**64 of each group key's 64-bit
+    blake2b hash, over every worker's part (an all-gather when ``world`` > 1), as 16 hex digits. Two steps
+    trained the same groups exactly when their digests are equal (up to hash collisions), whatever the order
+    inside the batch; metrics.jsonl records it per step as ``batch``, so a resumed run can be compared with an
+    uninterrupted one.
+
+    Args:
+        keys: this worker's group keys (strings: the group ids, or for --negatives doc id + query).
+    """
+    total = sum(int.from_bytes(hashlib.blake2b(str(k).encode("utf-8"), digest_size=8).digest(), "little")
+                for k in keys) % 2 ** 64
+    if world > 1:
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([total - 2 ** 63], dtype=torch.int64, device=device)  # shifted into int64's range
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(parts, mine)
+        total = sum(int(t.item()) + 2 ** 63 for t in parts) % 2 ** 64
+    return f"{total:016x}"
 
 
 def _export(model, tokenizer, output: str, description: dict, max_length: int, storage=None) -> str:
@@ -500,9 +671,10 @@ def _report(metrics: dict, step: int, total: int, every: int, rank: int, metrics
             metrics_log.flush()
             with tempfile.TemporaryDirectory() as tmp:
                 _save_state(model, optimizer, scheduler, step, epoch, tmp)
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                                 checkpoint_dir_name=checkpoint_dir_name(step))
         else:
-            ray.train.report(metrics, checkpoint=None)
+            ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=checkpoint_dir_name(step))
     else:
         ray.train.report(metrics)
 
@@ -540,16 +712,33 @@ def train_loop(config: dict) -> None:
     warmup = int(cfg.train.warmup_ratio * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup))
     step = 0
-    checkpoint = ray.train.get_checkpoint()
+    state, source = None, ""
+    checkpoint = ray.train.get_checkpoint()  # Ray Train's newest registered one (also after a worker restart)
     if checkpoint:
         with checkpoint.as_directory() as d:
             state = torch.load(os.path.join(d, STATE_FILE), map_location="cpu", weights_only=False)
+        source = checkpoint.path
+    stray = config.get("resume_from")  # a newer complete checkpoint Ray Train never registered (plan_resume)
+    if stray and (state is None or int(state["step"]) < stray["step"]):
+        blob = config["storage"].read_bytes(f"{stray['path']}/{STATE_FILE}")
+        state, source = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False), stray["path"]
+        del blob
+    if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = int(state["step"])
+        del state
         if rank == 0:
-            log.info("resumed from checkpoint at step %d of %d", step, total)
+            epoch, k = divmod(step, per_epoch)
+            if step >= total:
+                rest = "nothing left to train"
+            elif k:
+                rest = (f"skipping the {k} batches ({k * cfg.train.batch_size} groups) of epoch {epoch} already "
+                        "trained")
+            else:
+                rest = f"epoch {epoch} starts at its first batch"
+            log.info("resumed from checkpoint at step %d of %d (%s): %s", step, total, source, rest)
     on_negatives = config.get("objective") == "negatives"
     # The hard-negative objective uses the encoder only: DDP must not wait for the decoder's and head's gradients.
     model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": on_negatives})
@@ -561,14 +750,20 @@ def train_loop(config: dict) -> None:
     t_last = time.time()
 
     while step < total:
+        # The epoch's order is the same in every attempt (seeded block order and local shuffle, Ray Data's
+        # preserve_order): after a resume mid-epoch, the batches before the checkpoint's step are read and skipped.
         epoch = step // per_epoch
-        todo = min(per_epoch - step % per_epoch, total - step)  # batches left in this epoch (fewer after a resume)
+        skip = step - epoch * per_epoch  # batches of this epoch trained before the checkpoint (0 but after a resume)
+        todo = min(per_epoch, total - epoch * per_epoch) - skip  # batches this attempt trains in this epoch
         shuffle = cfg.train.shuffle_buffer
         batches = shard.iter_batches(batch_size=per_worker, drop_last=True, batch_format="numpy",
                                      local_shuffle_buffer_size=shuffle or None,
                                      local_shuffle_seed=cfg.train.seed + 1000 * epoch + rank if shuffle else None)
-        done = 0
+        seen, done = 0, 0
         for batch in batches:
+            seen += 1
+            if seen <= skip:
+                continue
             done += 1
             if on_negatives:
                 terms = negatives_step(model, tokenizer, batch, cfg, world, device, amp, optimizer, scheduler,
@@ -578,6 +773,8 @@ def train_loop(config: dict) -> None:
                 g = len(batch["query"])
                 metrics = {k: round(float(v.detach()), 6) for k, v in terms.items()}
                 metrics.update({"step": step, "epoch": epoch, "start_step": start_step,
+                                "batch": batch_digest([f"{d}\x00{q}" for d, q in zip(batch["doc_id"], batch["query"])],
+                                                      world, device),
                                 "lr": scheduler.get_last_lr()[0], "groups": g * world,
                                 "groups_per_s": round(g * world / max(now - t_last, 1e-9), 3), "time": round(now, 3)})
                 t_last = now
@@ -607,6 +804,7 @@ def train_loop(config: dict) -> None:
                                           + lo.w_self * metrics["l_self"] + lo.w_mlm * metrics["l_mlm"]), 6)
             metrics.update({
                 "step": step, "epoch": epoch, "start_step": start_step, "w_retention": round(w_ret, 6),
+                "batch": batch_digest(batch["group_id"], world, device),
                 "p_positive": round(float(positive_probability(a, p, all_docs, lo.tau, lo.mask_same_doc)), 6),
                 "lr": scheduler.get_last_lr()[0], "lr_new": scheduler.get_last_lr()[1],
                 "grad_norm": round(float(grad_norm), 6), "groups": g * world,
@@ -623,7 +821,8 @@ def train_loop(config: dict) -> None:
             if done == todo:
                 break
         if done < todo:
-            raise RuntimeError(f"epoch {epoch} ended after {done} of {todo} batches: fewer groups than counted")
+            raise RuntimeError(f"epoch {epoch} ended after {seen} of {skip + todo} batches: fewer groups than "
+                               "counted")
 
     if rank == 0:
         metrics_log.flush()
@@ -709,7 +908,7 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
             raise InputError(f"groups {groups}: the groups have no related passages")
     check_train_model(cfg)
     description = export_description(cfg, fs_in, run_dir)
-    per_epoch = n_groups // cfg.train.batch_size
+    per_epoch, trained_per_epoch, left_per_epoch = epoch_accounting(n_groups, cfg.train.batch_size)
     if per_epoch < 1:
         raise InputError(f"groups {groups}: {n_groups} groups are too few for one batch of train.batch_size = "
                          f"{cfg.train.batch_size}")
@@ -732,9 +931,9 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
     total = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * per_epoch
     what = (f"1 positive + {n_related} hard negatives each, objective InfoNCE{' + KL' if teacher else ''}"
             if negatives else f"{n_related} related passages each, positives {cfg.train.positives}")
-    log.info("training on %d groups (%s) from %s: %d steps of %d groups (%d per epoch), %d worker(s) on %s; Ray %s",
-             n_groups, what, run_dir, total, cfg.train.batch_size, per_epoch, workers,
-             "GPU (nccl)" if use_gpu else "CPU (gloo)", where)
+    log.info("training on %d groups (%s) from %s: %d steps of %d groups (%d per epoch: %d groups trained, %d left "
+             "out), %d worker(s) on %s; Ray %s", n_groups, what, run_dir, total, cfg.train.batch_size, per_epoch,
+             trained_per_epoch, left_per_epoch, workers, "GPU (nccl)" if use_gpu else "CPU (gloo)", where)
 
     url = fs_in.unstrip_protocol if "://" in groups else (lambda p: p)
     columns = list(REQUIRED_COLUMNS) if not negatives else (
@@ -754,11 +953,11 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
         except (OSError, ValueError) as e:
             raise InputError(f"groups {groups}: random positives need the run's manifest.json ({e})") from None
         ds = with_random_positives(ds, run_manifest, storage, cfg.train.seed, max(1, min(64, len(parts))))
-        ds = ds.select_columns(["doc_id", "anchor_text", "related_texts", "positive_text"])
+        ds = ds.select_columns(["group_id", "doc_id", "anchor_text", "related_texts", "positive_text"])
         log.info("random positives: drawn from all passages of each group's document, re-chunked from the run's "
                  "%d input file(s)", len(run_manifest.get("inputs") or []))
     else:
-        ds = ds.select_columns(["doc_id", "anchor_text", "related_texts"])
+        ds = ds.select_columns(["group_id", "doc_id", "anchor_text", "related_texts"])
     ds = ds.randomize_block_order(seed=cfg.train.seed)
 
     cpus = sc.cpus_per_worker or (1.0 if use_gpu else max(0.25, (cluster_cpus() - 1) / workers))
@@ -768,7 +967,8 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
     manifest = {
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "config": cfg.to_dict(),
-        "groups": {"path": groups, "run": url(run_dir), "parts": len(parts), "groups": n_groups, "related": n_related},
+        "groups": {"path": groups, "run": url(run_dir), "parts": len(parts), "groups": n_groups, "related": n_related,
+                   "groups_per_epoch_trained": trained_per_epoch, "groups_per_epoch_left_out": left_per_epoch},
         "objective": "negatives" if negatives else "xprt",
         **({"negatives": {"pairs_left_out": left_out, "hard_negatives": cfg.distill.hard_negatives,
                           "teacher": teacher}} if negatives else {}),
@@ -780,12 +980,21 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
     }
     storage.makedirs(output)
     storage.write_bytes(f"{output.rstrip('/')}/train_manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    plan = plan_resume(storage, f"{output.rstrip('/')}/{cfg.checkpoint.name}")
+    # Ray Data keeps the block order of the (seeded) dataset through the streaming split, so an epoch is the same
+    # sequence of batches in every attempt and a resume can skip exactly the batches already trained.
+    from ray.train import DataConfig
+
+    ingest = DataConfig.default_ingest_options()
+    ingest.preserve_order = True
 
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"cfg": cfg.to_dict(), "total_steps": total, "steps_per_epoch": per_epoch, "output": output,
                            "cpus_per_worker": cpus, "description": description.to_json(),
                            "objective": "negatives" if negatives else "xprt", "teacher": teacher,
+                           "resume_from": {"path": plan.resume_from, "step": plan.resume_step}
+                           if plan.resume_from else None,
                            "storage": storage},  # the Storage object: its repr never shows credentials
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
@@ -795,8 +1004,16 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
             failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
         ),
         datasets={"train": ds},
+        dataset_config=DataConfig(execution_options=ingest),
     )
     result = trainer.fit()
+    if plan.resume_from and plan.resume_step < total:  # the run has saved newer checkpoints, which Ray Train keeps
+        log.info("removing checkpoint %s (step %d), which the run resumed from: Ray Train never registered it",
+                 plan.resume_from, plan.resume_step)
+        storage.rm(plan.resume_from)
     export = f"{output.rstrip('/')}/export"
-    log.info("done in %.1f s: %d steps -> %s", time.time() - t0, total, export)
-    return TrainResult(output=output, export_dir=export, steps=total, metrics=result.metrics)
+    log.info("done in %.1f s: %d steps -> %s; per epoch %d of %d groups trained, %d left out (batches of %d over %d "
+             "worker(s))", time.time() - t0, total, export, trained_per_epoch, n_groups, left_per_epoch,
+             cfg.train.batch_size, workers)
+    return TrainResult(output=output, export_dir=export, steps=total, metrics=result.metrics,
+                       groups_per_epoch_trained=trained_per_epoch, groups_per_epoch_left_out=left_per_epoch)

@@ -1,10 +1,13 @@
 """The training job end to end on CPU (SPEC "Training job (Ray Train)"): groups mined from the shipped sample with a
-tiny BERT, `pairmine train` with 2 DDP workers (gloo) run as a user runs it, SIGKILLed after its first checkpoint and
-run again: it continues from the saved step, the loss falls, the exported encoder loads and embeds. Plus the random
-positives, the model's passes and bad input."""
+tiny BERT, `pairmine train` with 2 DDP workers (gloo) run as a user runs it, SIGKILLed after its second checkpoint
+with Ray Train's snapshot as it was before that checkpoint was registered (a stray) and run again: it continues from
+the stray's step, skips the batches of the epoch already trained, the loss falls, the exported encoder loads and
+embeds. Plus the checkpoint rule and the epoch accounting by hand, the random positives, the model's passes and bad
+input."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +24,10 @@ from pairmine.operators.chunk import chunk_text
 from pairmine.pipeline.config import load_config
 from pairmine.pipeline.mine import mine
 from pairmine.pipeline.positives import ROW_SCHEMA, check_inputs_unchanged, draw_random_positives, with_random_positives
+from pairmine.pipeline.train import (
+    CHECKPOINT_MARKER, RAY_SNAPSHOT, STATE_FILE, ResumePlan, _save_state, checkpoint_dir_name, epoch_accounting,
+    plan_resume,
+)
 
 STEPS, EVERY = 12, 3
 TRAIN_ARGS = ["--set", "scaling.num_workers=2", "--set", "train.batch_size=8", "--set", f"train.max_steps={STEPS}",
@@ -64,52 +71,151 @@ def tiny_e5_dir(tiny_model_dir, tmp_path_factory) -> str:
     return str(path)
 
 
+PLANTED = "checkpoint_step_00000099"  # an upload cut short: a marker, and a state.pt of another size
+
+
 @pytest.fixture(scope="module")
 def killed_and_resumed(tiny_groups, tiny_e5_dir, tmp_path_factory):
-    """`pairmine train` from an E5-named tiny BERT, SIGKILLed (with its local Ray) once the first checkpoint is
-    registered and a later step is logged, then the same command again."""
+    """`pairmine train` from an E5-named tiny BERT, SIGKILLed (with its local Ray) between two checkpoints: after
+    step 7 or 8, its checkpoints of steps 3 and 6 written. Ray Train's snapshot is then put back as it was when only
+    the step-3 checkpoint was registered, which is what a kill between "checkpoint created" and the snapshot of
+    step 6 leaves (step 6 a stray beyond Ray Train's list), and a cut-short checkpoint folder is planted; then the
+    same command again. Returns (output, steps the first run logged, the second run, its metrics lines)."""
     out = tmp_path_factory.mktemp("train") / "xprt"
     cmd = _cli("train", "--groups", str(tiny_groups), "--output", str(out), "--model", tiny_e5_dir, *TRAIN_ARGS)
     log1 = open(out.parent / "first.log", "w")
     proc = subprocess.Popen(cmd, stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
-    snapshot = out / "ray-train" / "checkpoint_manager_snapshot.json"
+    snapshot = out / "ray-train" / RAY_SNAPSHOT
+    early = None  # the snapshot's text when it first names a checkpoint (step 3's)
     deadline = time.time() + 400
     try:
         while time.time() < deadline and proc.poll() is None:
-            if snapshot.exists() and len(_metrics(out)) >= EVERY + 1:
+            if early is None and snapshot.exists():
+                try:
+                    text = snapshot.read_text()
+                    early = text if json.loads(text).get("latest_checkpoint_result") else None
+                except ValueError:  # caught mid-write
+                    pass
+            n = len(_metrics(out))
+            if early and n > 2 * EVERY and n % EVERY:  # between the checkpoints of steps 6 and 9
                 break
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert proc.poll() is None, "the first run ended before it could be killed: " + (out.parent / "first.log").read_text()[-3000:]
-        assert snapshot.exists(), "no checkpoint within the time limit"
+        assert early, "no checkpoint within the time limit"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started (same session)
         proc.wait()
         log1.close()
-    killed_at = len(_metrics(out))
+    first = _metrics(out)
+    assert checkpoint_dir_name(EVERY) in early and checkpoint_dir_name(2 * EVERY) not in early
+    snapshot.write_text(early)
+    (out / "ray-train" / PLANTED).mkdir()
+    (out / "ray-train" / PLANTED / STATE_FILE).write_bytes(b"x" * 10)
+    (out / "ray-train" / PLANTED / CHECKPOINT_MARKER).write_text(json.dumps({"step": 99, "state_bytes": 4096}))
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-4000:]
-    return out, killed_at, second
+    return out, len(first), second, first
 
 
 def test_killed_run_resumes_from_its_checkpoint(killed_and_resumed):
-    out, killed_at, second = killed_and_resumed
+    out, killed_at, second, first = killed_and_resumed
+    text = second.stdout + second.stderr
     rows = _metrics(out)
+    assert killed_at in (2 * EVERY + 1, 2 * EVERY + 2)  # killed after step 7 or 8
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step once, none restarted
-    resumed = {r["start_step"] for r in rows if r["start_step"] > 0}
-    assert len(resumed) == 1
-    start = resumed.pop()
-    assert start % EVERY == 0 and EVERY <= start <= killed_at  # a saved step, not step 0
+    start = 2 * EVERY  # the stray of step 6, newer than Ray Train's registered step 3
+    assert {r["start_step"] for r in rows} == {0, start}
     assert all(r["start_step"] == 0 for r in rows if r["step"] <= start)
     assert all(r["start_step"] == start for r in rows if r["step"] > start)
-    assert f"resumed from checkpoint at step {start} of {STEPS}" in second.stdout + second.stderr
-    ckpts = sorted(p for p in (out / "ray-train").glob("checkpoint_*") if p.is_dir())
-    assert 1 <= len(ckpts) <= 2 and all((c / "state.pt").exists() for c in ckpts)  # checkpoint.keep = 2
-    state = torch.load(ckpts[-1] / "state.pt", map_location="cpu", weights_only=False)
+    run = out / "ray-train"
+    assert (f"checkpoint {run / checkpoint_dir_name(start)} (step {start}) is complete but Ray Train's snapshot does "
+            "not name it") in text
+    assert f"removing stray checkpoint {run / PLANTED} (incomplete" in text
+    # 12 steps of 8 groups lie in epoch 0 (the tiny run has >= 100 groups): the resumed attempt reads and skips
+    # the epoch's first 6 batches, then trains batches 7..12.
+    assert (f"resumed from checkpoint at step {start} of {STEPS} ({run / checkpoint_dir_name(start)}): skipping the "
+            f"{start} batches ({start * 8} groups) of epoch 0 already trained") in text
+    assert {r["epoch"] for r in rows} == {0}
+    # The groups of each step (order-free digest): the first run's steps 1..6 are kept, the steps both attempts
+    # trained (7, or 7 and 8) trained the same groups in both, and no step of the epoch repeats another's groups
+    # (before the fix, step 7 after a resume at 6 trained step 1's groups).
+    assert rows[:start] == first[:start]
+    assert [r["batch"] for r in rows[start:killed_at]] == [r["batch"] for r in first[start:killed_at]]
+    assert len({r["batch"] for r in rows}) == STEPS
+    # Ray Train keeps the newest 2 registered checkpoints (steps 9 and 12); the stray of step 6 it never knew is
+    # removed by the driver once the run is done, the planted one before it started.
+    assert f"removing checkpoint {run / checkpoint_dir_name(start)} (step {start}), which the run resumed from" in text
+    ckpts = sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir())
+    assert ckpts == [checkpoint_dir_name(STEPS - EVERY), checkpoint_dir_name(STEPS)]
+    state = torch.load(run / ckpts[-1] / STATE_FILE, map_location="cpu", weights_only=False)
     assert state["step"] == STEPS
+    marker = json.loads((run / ckpts[-1] / CHECKPOINT_MARKER).read_text())
+    assert marker == {"step": STEPS, "epoch": 0, "state_bytes": (run / ckpts[-1] / STATE_FILE).stat().st_size}
 
 
-def test_every_term_is_reported_and_the_loss_falls(killed_and_resumed):
-    out, _, second = killed_and_resumed
+def _checkpoint(folder: Path, step: int) -> None:
+    """A real checkpoint of a one-layer model at ``step`` in ``folder`` (as the workers write it)."""
+    folder.mkdir(parents=True)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    _save_state(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), step, 0, str(folder))
+
+
+def test_resume_plan_uses_the_newest_complete_checkpoint_and_removes_strays(tmp_path, caplog):
+    from pairmine.operators.storage import LOCAL
+
+    # 43 groups, batch 4 over 2 workers: 10 steps of 4 groups per epoch, 3 groups left out.
+    assert epoch_accounting(43, 4) == (10, 40, 3)
+    assert epoch_accounting(100, 8) == (12, 96, 4) and epoch_accounting(96, 8) == (12, 96, 0)
+
+    # No snapshot (killed between the first checkpoint's upload and Ray Train's first snapshot): the complete
+    # checkpoint is used, not step 0.
+    run = tmp_path / "a" / "ray-train"
+    _checkpoint(run / checkpoint_dir_name(4), 4)
+    with caplog.at_level("WARNING", logger="pairmine"):
+        plan = plan_resume(LOCAL, str(run))
+    assert (plan.resume_from, plan.resume_step, plan.removed) == (str(run / checkpoint_dir_name(4)), 4, ())
+    assert "(step 4) is complete but Ray Train's snapshot does not name it" in caplog.text
+
+    # Ray Train registered steps 4 and 8. Strays: step 12 complete (used), step 6 complete but older, step 16 cut
+    # short (state.pt shorter than its marker says), and a folder with no marker: the last three are removed.
+    run = tmp_path / "b" / "ray-train"
+    for s in (4, 8, 12, 6, 16):
+        _checkpoint(run / checkpoint_dir_name(s), s)
+    cut = run / checkpoint_dir_name(16) / STATE_FILE
+    cut.write_bytes(cut.read_bytes()[:-1])
+    (run / "checkpoint_2026-01-01_00-00-00.000000").mkdir()
+    (run / RAY_SNAPSHOT).write_text(json.dumps({
+        "checkpoint_results": [{"checkpoint_dir_name": checkpoint_dir_name(4), "metrics": {}},
+                               {"checkpoint_dir_name": checkpoint_dir_name(8), "metrics": {}}],
+        "latest_checkpoint_result": {"checkpoint_dir_name": checkpoint_dir_name(8), "metrics": {}}}))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pairmine"):
+        plan = plan_resume(LOCAL, str(run))
+    assert (plan.resume_from, plan.resume_step) == (str(run / checkpoint_dir_name(12)), 12)
+    incomplete = "incomplete: no readable pairmine_checkpoint.json or a state.pt of another size"
+    assert sorted(plan.removed) == [
+        f"checkpoint_2026-01-01_00-00-00.000000 ({incomplete})",
+        f"{checkpoint_dir_name(6)} (step 6, not newer than the checkpoint the run resumes from (step 12))",
+        f"{checkpoint_dir_name(16)} ({incomplete})"]
+    assert caplog.text.count("removing stray checkpoint") == 3
+    assert sorted(p.name for p in run.iterdir()) == [RAY_SNAPSHOT, checkpoint_dir_name(4), checkpoint_dir_name(8),
+                                                     checkpoint_dir_name(12)]
+
+    # Ray Train has registered step 12 too: a stray of step 6 is removed and Ray Train's own newest is resumed from.
+    (run / RAY_SNAPSHOT).write_text(json.dumps({"latest_checkpoint_result": {
+        "checkpoint_dir_name": checkpoint_dir_name(12)}, "checkpoint_results": [
+        {"checkpoint_dir_name": checkpoint_dir_name(s)} for s in (4, 8, 12)]}))
+    _checkpoint(run / checkpoint_dir_name(6), 6)
+    plan = plan_resume(LOCAL, str(run))
+    assert (plan.resume_from, plan.resume_step) == (None, 0)
+    assert plan.removed == ((f"{checkpoint_dir_name(6)} (step 6, not newer than the checkpoint the run resumes "
+                             "from (step 12))"),)
+    assert plan_resume(LOCAL, str(tmp_path / "none")) == ResumePlan()  # a new --output
+
+
+def test_every_term_is_reported_and_the_loss_falls(killed_and_resumed, tiny_groups):
+    out, _, second, _ = killed_and_resumed
     rows = _metrics(out)
     for r in rows:
         assert {"loss", "l_xp", "l_cross", "l_self", "l_mlm", "l_unif", "l_retention", "w_retention", "lr",
@@ -122,6 +228,15 @@ def test_every_term_is_reported_and_the_loss_falls(killed_and_resumed):
     assert mean(last, "loss") < mean(first, "loss")
     assert mean(last, "l_mlm") < mean(first, "l_mlm") and mean(last, "l_cross") < mean(first, "l_cross")
     manifest = json.loads((out / "train_manifest.json").read_text())
+    # The epoch's accounting: the groups counted from the parts' footers, 8 per step, the rest left out.
+    n = sum(pq.ParquetFile(p).metadata.num_rows for p in (tiny_groups / "groups").glob("*.parquet"))
+    g = manifest["groups"]
+    assert (g["groups"], g["groups_per_epoch_trained"], g["groups_per_epoch_left_out"]) == (n, n // 8 * 8, n % 8)
+    assert manifest["resolved"]["steps_per_epoch"] == n // 8 >= STEPS
+    driver = [ln for ln in second.stderr.splitlines() if re.match(r"\d\d:\d\d:\d\d (INFO|WARNING) pairmine: ", ln)]
+    done = driver[-1]  # the driver's last log line (the workers' lines start with "(RayTrainWorker ...")
+    assert done.endswith(f"per epoch {n // 8 * 8} of {n} groups trained, {n % 8} left out (batches of 8 over 2 "
+                         "worker(s))")
     assert manifest["resolved"]["workers"] == 2 and manifest["resolved"]["backend"] == "gloo"
     assert manifest["resolved"]["total_steps"] == STEPS and manifest["config"]["loss"]["w_cross"] == 0.1
     assert "exported encoder:" in second.stdout
@@ -135,7 +250,7 @@ def test_exported_encoder_loads_and_embeds(killed_and_resumed, tiny_e5_dir):
     from pairmine.operators.embed import Embedder
     from pairmine.pipeline.model_description import describe_model
 
-    out, _, _ = killed_and_resumed
+    out, _, _, _ = killed_and_resumed
     export = out / "export"
     model = AutoModel.from_pretrained(export)
     assert type(model).__name__ == "BertModel" and model.config.hidden_size == 64
