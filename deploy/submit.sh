@@ -4,5 +4,5 @@
 # The cluster's image must have pairmine installed (docker/Dockerfile); inside the job, pairmine connects to the
 # cluster through RAY_ADDRESS, which Ray sets for job drivers.
 set -euo pipefail
-: "${RAY_ADDRESS:?set RAY_ADDRESS to the cluster's dashboard address, e.g. http://ray-head:8265}"
+: "${RAY_ADDRESS:?set RAY_ADDRESS to the dashboard address of the Ray cluster, e.g. http://ray-head:8265}"
 exec ray job submit --address "$RAY_ADDRESS" -- pairmine mine "$@"

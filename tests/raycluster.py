@@ -68,6 +68,9 @@ class RayNode:
         log = open(self.log_dir / f"ray-node-{os.getpid()}-{time.time_ns()}.log", "ab")
         env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
         env.pop("RAY_ADDRESS", None)
+        # A job's entrypoint runs in a shell with the node's environment: `pairmine` (deploy/submit.sh's command) is
+        # on PATH there as on a cluster node with pairmine installed, even when the tests run without an activated venv.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         if self.head_address is None:
             deadline = time.time() + timeout

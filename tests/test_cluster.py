@@ -1,10 +1,14 @@
-"""pairmine on a real two-node Ray cluster started by the test on 127.0.0.1 (issue 10, item 2a): a mining run
+"""pairmine on a real two-node Ray cluster started by the test on 127.0.0.1 (issue 10, items 2a and 2b): a mining run
 submitted through Ray's job-submission API (what ``deploy/submit.sh`` and KubeRay's RayJob use) writes the same
-groups as the same command run locally. The nodes are stopped by PID (only the processes they started)."""
+groups as the same command run locally, and a run whose worker node is SIGKILLed ends with one error line and
+resumes with the same groups. Both compare with the session's ``tiny_run`` (the same shard and settings, mined
+locally), so the module costs a cluster start and three jobs (~4 minutes on 2 cores). The nodes are stopped by PID
+(only the processes they started)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,8 +18,6 @@ import pytest
 
 from tests.conftest import assert_same_groups
 from tests.raycluster import RayNode
-
-pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,34 +83,51 @@ def run_job(client, args: list[str], timeout: float = 600, job: str | None = Non
     return str(status), client.get_job_logs(job)
 
 
-def test_submitted_job_mines_what_a_local_run_mines(cluster, ray_local, tiny_model_dir, sample_dir, tmp_path):
-    from pairmine.pipeline.config import load_config
-    from pairmine.pipeline.mine import mine
+# The settings of conftest's tiny_run (shard 000_00000 of the sample), as CLI flags.
+TINY_RUN_SETTINGS = ["embed.dtype=float32", "anchors.threshold=0.995", "consistency.k=100000"]
+
+
+def tiny_run_args(tiny_model_dir, sample_dir, output, run_id: str) -> list[str]:
+    settings = [f"embed.model={tiny_model_dir}", *TINY_RUN_SETTINGS]
+    return ["mine", "--input", str(sample_dir / "000_00000.parquet"), "--output", str(output), "--run-id", run_id,
+            *[a for s in settings for a in ("--set", s)]]
+
+
+def tiny_run_groups(tiny_run):
+    return pq.read_table(tiny_run[0] / "groups").drop_columns(["run_id"])
+
+
+def test_submitted_job_mines_what_a_local_run_mines(cluster, ray_local, tiny_run, tiny_model_dir, sample_dir,
+                                                    tmp_path):
+    """``deploy/submit.sh`` (``ray job submit -- pairmine mine ...``, as a user runs it) against the running cluster:
+    it follows the job's log, exits 0 when the job succeeded, and the job's groups are those of the same command run
+    locally (``tiny_run``): ids, texts, related indices exactly, scores within 1e-4."""
+    import subprocess
 
     head, _, client = cluster
-    settings = [f"embed.model={tiny_model_dir}", "embed.dtype=float32", "anchors.threshold=0.99"]
-    shard = str(sample_dir / "000_00000.parquet")
     t0 = time.time()
-    status, logs = run_job(client, ["mine", "--input", shard, "--output", str(tmp_path / "cluster"), "--run-id", "job",
-                                    *[a for s in settings for a in ("--set", s)]])
+    args = tiny_run_args(tiny_model_dir, sample_dir, tmp_path / "cluster", "job")[1:]  # submit.sh adds `pairmine mine`
+    proc = subprocess.run(["bash", str(REPO / "deploy" / "submit.sh"), *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "RAY_ADDRESS": head.dashboard_url,  # as in an active venv
+                                            "PATH": os.pathsep.join([str(Path(sys.executable).parent),
+                                                                     os.environ.get("PATH", "")])})
     job_s = time.time() - t0
-    assert status == "SUCCEEDED", logs[-4000:]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    followed = proc.stdout + proc.stderr
+    assert "succeeded" in followed and "groups from 207 documents" in followed, followed[-3000:]  # the job's log
     manifest = json.loads((tmp_path / "cluster" / "job" / "manifest.json").read_text())
     assert manifest["resolved"]["ray"].startswith("cluster ")
     assert manifest["resolved"]["ray"].endswith("(2 node(s), 2 CPUs, 0 GPUs)")
-
-    t0 = time.time()
-    mine(load_config(overrides=[f"input.path={shard}", f"output.path={tmp_path / 'local'}", "output.run_id=local",
-                                *settings]))
-    print(f"\ntwo-node job {job_s:.1f} s (submission to end), local run {time.time() - t0:.1f} s")
+    print(f"\ntwo-node job {job_s:.1f} s (deploy/submit.sh, submission to end); the same command run locally "
+          f"(tiny_run) {tiny_run[1].stats['elapsed_s']:.1f} s")
     job = pq.read_table(tmp_path / "cluster" / "job" / "groups").drop_columns(["run_id"])
-    local = pq.read_table(tmp_path / "local" / "local" / "groups").drop_columns(["run_id"])
+    local = tiny_run_groups(tiny_run)
     assert_same_groups(job, local, atol=1e-4)
     assert json.loads((tmp_path / "cluster" / "job" / "stats.json").read_text())["groups"] == local.num_rows
 
 
-def test_a_lost_worker_node_ends_with_an_error_and_the_run_id_resumes(cluster, ray_local, tiny_model_dir, sample_dir,
-                                                                      tmp_path):
+def test_a_lost_worker_node_ends_with_an_error_and_the_run_id_resumes(cluster, ray_local, tiny_run, tiny_model_dir,
+                                                                      sample_dir, tmp_path):
     """The worker node's raylet is SIGKILLed in the main pass. The stage plan asked for both nodes' CPUs, so the
     remaining node cannot place the work: the job reports what Ray cannot place and ends after ray.stall_limit_s
     with one error line. The same command with the same --run-id, on the one node left, completes with exactly the
@@ -118,15 +137,10 @@ def test_a_lost_worker_node_ends_with_an_error_and_the_run_id_resumes(cluster, r
 
     import psutil
 
-    from pairmine.pipeline.config import load_config
-    from pairmine.pipeline.mine import mine
-
     head, worker, client = cluster
-    settings = [f"embed.model={tiny_model_dir}", "embed.dtype=float32", "anchors.threshold=0.99"]
-    args = ["mine", "--input", f"'{sample_dir}/00[01]_*.parquet'", "--output", str(tmp_path / "cluster"),
-            "--run-id", "lost", *[a for s in settings for a in ("--set", s)]]
+    args = tiny_run_args(tiny_model_dir, sample_dir, tmp_path / "cluster", "lost")
     job = submit(client, [*args, "--set", "ray.stall_warn_s=5", "--set", "ray.stall_limit_s=60"])
-    wait_for(lambda: "mining 2 shard(s)" in client.get_job_logs(job), 300, "the main pass did not start")
+    wait_for(lambda: "mining 1 shard(s)" in client.get_job_logs(job), 300, "the main pass did not start")
     raylets = [p for p in map(psutil.Process, worker.pids()) if p.name() == "raylet"]
     assert len(raylets) == 1
     os.kill(raylets[0].pid, signal.SIGKILL)
@@ -146,8 +160,5 @@ def test_a_lost_worker_node_ends_with_an_error_and_the_run_id_resumes(cluster, r
     manifest = json.loads((tmp_path / "cluster" / "lost" / "manifest.json").read_text())
     assert manifest["resolved"]["ray"].endswith("(1 node(s), 1 CPUs, 0 GPUs)")
     assert manifest["resolved"]["stage_plan"].endswith("(CPU shares scaled down to fit)")
-    mine(load_config(overrides=[f"input.path={sample_dir}/00[01]_*.parquet", f"output.path={tmp_path / 'local'}",
-                                "output.run_id=local", *settings]))
     lost = pq.read_table(tmp_path / "cluster" / "lost" / "groups").drop_columns(["run_id"])
-    local = pq.read_table(tmp_path / "local" / "local" / "groups").drop_columns(["run_id"])
-    assert lost.num_rows > 0 and lost.equals(local)  # none lost, none duplicated, the same scores
+    assert_same_groups(lost, tiny_run_groups(tiny_run))  # none lost, none duplicated, the same scores

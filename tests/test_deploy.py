@@ -288,8 +288,18 @@ def test_a_bad_set_key_is_caught_by_the_command_check():
 
 
 def test_submit_script_runs_the_mine_command():
+    """The script's command, and that bash runs it: without RAY_ADDRESS it stops with the message that says what to
+    set (an apostrophe inside its ${...:?} once made bash fail to parse the whole script). tests/test_cluster.py runs
+    it against a real two-node cluster."""
+    import os
+    import subprocess
+
     text = (DEPLOY / "submit.sh").read_text()
     assert re.search(r'ray job submit --address "\$RAY_ADDRESS" -- pairmine mine "\$@"', text)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(["bash", str(DEPLOY / "submit.sh"), "--input", "x"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 1 and "set RAY_ADDRESS to the dashboard address of the Ray cluster" in proc.stderr
 
 
 def test_deploy_readme_applies_every_manifest_and_names_the_secret():

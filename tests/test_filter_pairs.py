@@ -27,7 +27,12 @@ def fiqa_pairs(n: int) -> tuple[list[dict], list[dict]]:
     return true, shuffled
 
 
-@pytest.fixture(scope="module", params=["local", "s3"])
+# The default model on 800 pairs, twice, was ~5 of the suite's minutes: the S3 twin runs with -m slow; S3's reads
+# and writes of filter-pairs stay in the default run through test_pool_with_no_usable_passage_keeps_every_pair[s3].
+LOCAL_BY_DEFAULT = ["local", pytest.param("s3", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module", params=LOCAL_BY_DEFAULT)
 def fiqa_run(request, tmp_path_factory):
     from tests.conftest import out_for
 
@@ -95,6 +100,7 @@ def test_pool_with_no_usable_passage_keeps_every_pair(tmp_path, out):
     assert s["pool_size"] == 0 and s["pairs_kept"] == 5 and s["reconciled"]
 
 
+@pytest.mark.parametrize("out", LOCAL_BY_DEFAULT, indirect=True)
 def test_pool_from_documents(tmp_path, sample_dir, out):
     true, shuffled = fiqa_pairs(100)
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in true + shuffled))

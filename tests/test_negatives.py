@@ -192,6 +192,7 @@ def test_bad_input_is_one_line(tiny_run, tiny_model_dir, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # the default model over fiqa-pairs-beir's corpus: ~3.5 minutes, a figure more than a check
 def test_the_window_holds_fewer_judged_relevant_passages_than_the_top_of_the_list(tmp_path):
     """Seed 004: the top of the retrieved list is where unlabelled positives sit. On fiqa-pairs-beir (qrels judge the
     true answers), with the default model: negatives at ranks 1-10 are judged relevant to their query more often

@@ -214,6 +214,8 @@ def test_driver_killed_at_several_points_then_rerun_gives_the_same_groups(refere
     assert again.returncode == 2 and "already committed" in again.stderr
 
 
+# The S3 twin (~70 s) runs with -m slow: S3 under a fault stays in the default run (test_s3_server_restarted_mid_run).
+@pytest.mark.parametrize("reference", ["local", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)
 def test_ray_worker_killed_mid_run_then_rerun_gives_the_same_groups(reference, eight_shards, tiny_model_dir, tmp_path):
     import psutil
 
@@ -300,6 +302,8 @@ def test_storage_down_fails_clearly_with_the_path(tmp_path):
 # Nightly --incremental runs, and what downstream readers see.
 
 
+# Nightly runs go to S3: the S3 twin runs by default, the local one (~2.5 minutes) with -m slow.
+@pytest.mark.parametrize("out", [pytest.param("local", marks=pytest.mark.slow), "s3"], indirect=True)
 def test_incremental_mines_each_shard_once(out, eight_shards, tiny_model_dir, tmp_path):
     inp = tmp_path / "incoming"
     inp.mkdir()
