@@ -101,7 +101,7 @@ def child_driver(folder: str, mode: str) -> dict:
             rows = np.arange(len(s.ids), dtype=np.int64)
             index.add(s.ids, (np.int64(s.shard_index) << 40) | rows)
         docs = sum(s.num_rows for s in scans)
-        dups = sum(index.find().values())
+        dups = sum(index.find()["id"].values())
     out = {"docs": docs, "duplicates": dups, "seconds": round(time.time() - t0, 1),
            "peak_mb": round(_peak_mb(), 1), "after_ray_init_mb": round(base, 1)}
     ray.shutdown()

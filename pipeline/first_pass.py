@@ -87,8 +87,8 @@ class DuplicateIndex:
     """The ids (and text hashes) of one hash range of the run, and the rows whose id (or text) appeared earlier in
     run order.
 
-    ``add`` takes (ids, positions) from the scan tasks, ``add_texts`` (128-bit text hashes as two int64 columns,
-    positions) for usable rows; ``find`` (called once, after every unit is scanned) finds the repeated ids and texts
+    ``add`` takes (ids, positions) from the scan tasks and, in the same call, (128-bit text hashes as two int64
+    columns, positions) of the usable rows; ``find`` (called once, after every unit is scanned) finds the repeated ids and texts
     with Arrow group-bys (minimum position per key: the occurrence kept) and returns per-shard counts
     ``{"id": {shard: n}, "text": {shard: n}}``; ``rows(shard)`` gives that shard's duplicate rows (id rows, text
     rows). Positions are ``shard << ROW_BITS | row``. Null ids never reach it (they are skipped as ``null_id``)."""
@@ -99,15 +99,16 @@ class DuplicateIndex:
         self.duplicates = np.zeros(0, np.int64)
         self.duplicate_texts = np.zeros(0, np.int64)
 
-    def add(self, ids: pa.Array, positions: np.ndarray) -> int:
-        self.parts.append(pa.table({"id": ids, "pos": pa.array(positions, pa.int64())}))
-        return len(ids)
-
-    def add_texts(self, hashes: np.ndarray, positions: np.ndarray) -> int:
-        """``hashes`` (n, 2) int64 (:func:`pipeline.inputs.text_hashes`), ``positions`` (n,) int64."""
-        self.text_parts.append(pa.table({"h1": pa.array(hashes[:, 0]), "h2": pa.array(hashes[:, 1]),
-                                         "pos": pa.array(positions, pa.int64())}))
-        return len(positions)
+    def add(self, ids: pa.Array, positions: np.ndarray, hashes: np.ndarray | None = None,
+            text_positions: np.ndarray | None = None) -> int:
+        """``ids`` (n,) with ``positions`` (n,) int64; optionally ``hashes`` (m, 2) int64
+        (:func:`pipeline.inputs.text_hashes`) with ``text_positions`` (m,) int64. Returns n + m."""
+        if len(ids):
+            self.parts.append(pa.table({"id": ids, "pos": pa.array(positions, pa.int64())}))
+        if hashes is not None and len(hashes):
+            self.text_parts.append(pa.table({"h1": pa.array(hashes[:, 0]), "h2": pa.array(hashes[:, 1]),
+                                             "pos": pa.array(text_positions, pa.int64())}))
+        return len(ids) + (0 if hashes is None else len(hashes))
 
     def find(self) -> dict[str, dict[int, int]]:
         if self.parts:
@@ -170,16 +171,12 @@ def scan_units(shard: Shard, pieces: list[tuple[int, int]], params: ScanParams, 
     sent = []
     for r, index in enumerate(indexes):
         mask, text_mask = which == r, text_range == r
-        if mask.any():
+        if mask.any() or text_mask.any():
+            args = (ids.filter(pa.array(mask)), positions[mask], hashes[text_mask], text_positions[text_mask])
             if remote:
-                sent.append(index.add.remote(ids.filter(pa.array(mask)), positions[mask]))
+                sent.append(index.add.remote(*args))
             else:
-                index.add(ids.filter(pa.array(mask)), positions[mask])
-        if text_mask.any():
-            if remote:
-                sent.append(index.add_texts.remote(hashes[text_mask], text_positions[text_mask]))
-            else:
-                index.add_texts(hashes[text_mask], text_positions[text_mask])
+                index.add(*args)
     if sent:
         import ray
 

@@ -315,7 +315,8 @@ def scan_shard(
     piece = [shard.index] if row_group is None or row_group < 0 else [shard.index, row_group]
     priority = np.random.default_rng([seed, *piece]).random(len(ids))  # (rows,)
     reasons = skip_reasons(ids, texts, np.zeros(len(ids), bool), invalid)
-    candidate = pc.is_null(reasons).to_numpy(zero_copy_only=False) & (priority < cut)
+    usable = pc.is_null(reasons).to_numpy(zero_copy_only=False)  # (rows,) bool
+    candidate = usable & (priority < cut)
     rows = np.flatnonzero(candidate)
     rows = rows[np.argsort(priority[rows], kind="stable")][:sample_docs]
     sample = list(zip(priority[rows].tolist(), texts.take(pa.array(rows, pa.int64())).to_pylist()))
@@ -325,9 +326,8 @@ def scan_shard(
     first = row_group is None or row_group <= 0
     content = content_sha256(shard.path, storage) if first and is_multipart_etag(shard.fingerprint) else ""
     hashes = text_hashes(texts) if hash_texts else None
-    usable = pc.is_null(reasons).to_numpy(zero_copy_only=False) if hash_texts else None
     return ShardScan(shard_index=shard.index, row_group_rows=rg_rows, ids=ids, sample=sample, pool=pool_candidates,
-                     content_sha256=content, text_hashes=hashes, usable=usable)
+                     content_sha256=content, text_hashes=hashes, usable=usable if hash_texts else None)
 
 
 def shard_pool(shard: Shard, text_column: str, id_column: str, pool: PoolSpec, storage: Storage = LOCAL) -> list:

@@ -28,6 +28,11 @@ def ray_binary() -> str:
     return found
 
 
+def venv_path() -> str:
+    """$PATH with this Python's bin folder first (``ray``, ``pairmine``), as in an activated venv."""
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
 class RayNode:
     """One Ray node: a head (``address=None``) or a worker joining ``address``.
 
@@ -70,7 +75,7 @@ class RayNode:
         env.pop("RAY_ADDRESS", None)
         # A job's entrypoint runs in a shell with the node's environment: `pairmine` (deploy/submit.sh's command) is
         # on PATH there as on a cluster node with pairmine installed, even when the tests run without an activated venv.
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        env["PATH"] = venv_path()
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         if self.head_address is None:
             deadline = time.time() + timeout

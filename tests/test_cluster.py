@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import assert_same_groups
-from tests.raycluster import RayNode
+from tests.raycluster import RayNode, venv_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,9 +108,7 @@ def test_submitted_job_mines_what_a_local_run_mines(cluster, ray_local, tiny_run
     t0 = time.time()
     args = tiny_run_args(tiny_model_dir, sample_dir, tmp_path / "cluster", "job")[1:]  # submit.sh adds `pairmine mine`
     proc = subprocess.run(["bash", str(REPO / "deploy" / "submit.sh"), *args], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "RAY_ADDRESS": head.dashboard_url,  # as in an active venv
-                                            "PATH": os.pathsep.join([str(Path(sys.executable).parent),
-                                                                     os.environ.get("PATH", "")])})
+                          timeout=600, env={**os.environ, "RAY_ADDRESS": head.dashboard_url, "PATH": venv_path()})
     job_s = time.time() - t0
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     followed = proc.stdout + proc.stderr

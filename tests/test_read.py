@@ -13,7 +13,7 @@ from pairmine.pipeline.first_pass import ScanParams, first_pass
 from pairmine.pipeline.inputs import check_parquet_shards, discover_shards, sample_cut, scan_shard, tfidf_sample
 
 
-def _plan(path, fmt="auto", storage=None, ranges=3):
+def _plan(path, fmt="auto", storage=None, ranges=3, duplicate_texts=True):
     """The mining job's first pass, in-process, with ``ranges`` hash ranges for the ids: (shards, first, units)."""
     import tempfile
 
@@ -23,7 +23,7 @@ def _plan(path, fmt="auto", storage=None, ranges=3):
     shards = discover_shards(str(path), fmt, storage)
     layout: dict = {}
     check_parquet_shards(shards, ("text", "id"), storage, layout=layout)
-    first = first_pass(shards, layout, ScanParams("text", "id", 100, 0, 1.0, None, storage),
+    first = first_pass(shards, layout, ScanParams("text", "id", 100, 0, 1.0, None, storage, duplicate_texts),
                        tempfile.mkdtemp(prefix="pairmine-dups-"), in_process=True, ranges=ranges)
     return shards, first, first.units
 
@@ -152,15 +152,7 @@ def test_duplicate_texts_under_new_ids_are_skipped_and_counted(tmp_path):
         reasons = ReadDocuments()(pa.Table.from_pylist(units)).column("skip_reason").to_pylist()
         assert reasons == [None, None, "duplicate_text", "empty_text", "empty_text", None, None, "duplicate_id",
                            "duplicate_text", None, "duplicate_text", "null_id"]
-    shards = discover_shards(str(tmp_path))
-    layout: dict = {}
-    check_parquet_shards(shards, ("text", "id"), layout=layout)
-    import tempfile
-
-    from pairmine.operators.storage import LOCAL
-
-    off = first_pass(shards, layout, ScanParams("text", "id", 100, 0, 1.0, None, LOCAL, duplicate_texts=False),
-                     tempfile.mkdtemp(prefix="pairmine-dups-"), in_process=True, ranges=3)
+    _, off, _ = _plan(tmp_path, duplicate_texts=False)
     assert off.duplicate_texts == 0 and off.duplicates == 1
     reasons = ReadDocuments()(pa.Table.from_pylist(off.units)).column("skip_reason").to_pylist()
     assert reasons.count("duplicate_text") == 0 and reasons.count("duplicate_id") == 1
