@@ -1,0 +1,48 @@
+"""benchmarks/gpu_all.sh: its CPU smoke mode (the same code as on a GPU, tiny sizes) writes one JSON file with every
+figure; the GPU peak table. (~40 s on 2 cores: four processes that import torch, the sample chunked once.)"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_all_cpu_smoke_writes_one_json_with_every_figure(tmp_path):
+    out = tmp_path / "smoke.json"
+    env = {**os.environ, "PYTHON": sys.executable}
+    p = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_all.sh"), "--cpu-smoke", str(out), "--peak-tflops", "1"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert r["mode"] == "cpu-smoke" and r["ok"] is True
+    assert r["env"]["torch"] and "gpu" in r["env"] and "cuda" in r["env"]
+    assert r["peak_bf16_tflops"] == 1.0 and r["peak_source"] == "--peak-tflops"
+    assert r["wall_s_total"] > 0
+    e, c, t = r["embed"], r["consistency"], r["train"]
+    for part, figure, units in [(e, "passages_per_s", "passages/s"), (c, "queries_per_s", "queries/s"),
+                                (t, "groups_per_s", "groups/s")]:
+        assert part["ok"] is True and part["units"] == units, part
+        assert part[figure] > 0 and part["wall_s"] > 0 and part["sizes"], part
+    assert e["forward_only_passages_per_s"] > 0 and e["sizes"]["tokens_per_passage"] == 256
+    assert e["sizes"]["passages"] == 32 and e["dtype"] == "float32" and e["device"] == "cpu"
+    assert c["sizes"]["pool"] == 20_000 and c["matmul_floor_queries_per_s"] > 0
+    assert t["encoder_params"] > 0 and t["tokens_per_group"] > 0 and t["model_gflops_per_group"] > 0
+    # the MFU arithmetic, against the peak given
+    assert t["mfu_pct"] > 0 and t["mfu_counted_pct"] > 0
+    assert abs(t["mfu_pct"] - 100 * 6 * t["encoder_params"] * t["tokens_per_group"] * t["groups_per_s"] / 1e12) \
+        <= 1e-3 * t["mfu_pct"]
+
+
+def test_gpu_peak_table_by_device_name():
+    spec = importlib.util.spec_from_file_location("gpu_all", ROOT / "benchmarks" / "gpu_all.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert mod.peak_bf16_tflops("NVIDIA H200") == 989.0
+    assert mod.peak_bf16_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert mod.peak_bf16_tflops("NVIDIA H100 PCIe") == 756.0
+    assert mod.peak_bf16_tflops("Tesla T4") is None
