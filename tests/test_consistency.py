@@ -108,3 +108,84 @@ def test_pool_size_zero_is_refused_with_a_hint():
 
     with pytest.raises(ConfigError, match="consistency.enabled=false"):
         load_config(overrides=["consistency.pool_size=0"])
+
+
+def exact_n_above(a, s1, pool, anchor_docs, pool_docs):
+    """Brute force in exact arithmetic: for every (group, pool passage) of another document, the sign of
+    a . p - a . s1 from math.fsum of the float64 products (each product of two float32 is exact in float64, and fsum
+    rounds the exact sum once, so the sign is exact)."""
+    import math
+
+    a64, s64, p64 = a.astype(np.float64), s1.astype(np.float64), pool.astype(np.float64)
+    counts = []
+    for i in range(len(a)):
+        own = -(a64[i] * s64[i])
+        counts.append(sum(1 for j in range(len(pool)) if pool_docs[j] != anchor_docs[i]
+                          and math.fsum(np.concatenate([a64[i] * p64[j], own])) > 0))
+    return np.array(counts)
+
+
+def tie_case(seed=4, g=24, dim=16, n_random=400):
+    """A seeded batch with exact ties at s, copies of s1, one-ulp neighbours of s1 on both sides, and same-document
+    passages above s. Returns (anchors, positives, pool, anchor_docs, pool_docs, counts of each kind)."""
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(g, dim)).astype(np.float32)
+    a[:, 1] = a[:, 0] = np.abs(a[:, 0])  # a[0] == a[1] > 0: swapping coordinates 0 and 1 of s1 keeps a . s1
+    a /= np.linalg.norm(a, axis=1, keepdims=True)
+    s1 = (a + 0.3 * rng.normal(size=(g, dim))).astype(np.float32)
+    s1 /= np.linalg.norm(s1, axis=1, keepdims=True)
+    anchor_docs = np.arange(g, dtype=np.int64) // 2  # two groups per document
+    rows, docs = [unit(*rng.normal(size=(n_random, dim)))], [rng.integers(100, 140, size=n_random)]
+    swapped = s1[:, [1, 0] + list(range(2, dim))]  # exact ties in real arithmetic, not bit copies
+    up, down = s1.copy(), s1.copy()
+    for i in range(g):  # one ulp along a coordinate where a > 0: exactly above / below s
+        k = int(np.argmax(a[i, 2:])) + 2
+        up[i, k] = np.nextafter(s1[i, k], np.float32(np.inf))
+        down[i, k] = np.nextafter(s1[i, k], np.float32(-np.inf))
+    other = (anchor_docs + 1) % (g // 2) + 200  # documents no group has
+    for block, doc in ((s1, other), (s1, other + 1000), (swapped, other), (up, other), (down, other)):
+        rows.append(block)
+        docs.append(doc)
+    rows.append(a)  # same-document neighbours: each anchor itself (cos 1 > s) and a near copy, in its own document
+    docs.append(anchor_docs)
+    rows.append(unit(*(a + 0.01 * rng.normal(size=(g, dim)))))
+    docs.append(anchor_docs)
+    order = rng.permutation(sum(len(r) for r in rows))  # spread the special rows over the chunks
+    pool = np.concatenate(rows).astype(np.float32)[order]
+    pool_docs = np.concatenate(docs).astype(np.int64)[order]
+    return a, s1, pool, anchor_docs, pool_docs
+
+
+@pytest.mark.parametrize("chunk_mb", [1000.0, 0.02])  # one chunk; chunks of 256 rows (hot rows gathered)
+def test_counts_equal_an_exact_brute_force_with_ties_and_same_document_neighbours(chunk_mb):
+    a, s1, pool, anchor_docs, pool_docs = tie_case()
+    s, n = consistency_counts(a, s1, pool, anchor_docs, pool_docs, chunk_mb=chunk_mb)
+    ref = exact_n_above(a, s1, pool, anchor_docs, pool_docs)
+    assert n.dtype == np.int64 and s.dtype == np.float32 and n.shape == s.shape == (24,)
+    assert np.array_equal(n, ref)
+    for k in (1, 2, 3, 5):
+        assert np.array_equal(n < k, ref < k)
+    # The "up" copy is the only special row above s from another document; the copies of s1, the swapped ties and
+    # the "down" copy never count, and nor do the anchor itself (cos 1) and its near copy in the group's document.
+    above_random = exact_n_above(a, s1, pool[np.isin(pool_docs, np.arange(100, 140))], anchor_docs,
+                                 pool_docs[np.isin(pool_docs, np.arange(100, 140))])
+    other_special = ref - above_random
+    assert other_special.min() >= 1  # at least its own "up" neighbour
+    assert 0 < np.sum(ref < 2) < 24  # the case has both kept and dropped groups at k = 2
+    exact_s = np.array([np.float32(np.sum(a[i].astype(np.float64) * s1[i].astype(np.float64))) for i in range(24)])
+    assert np.abs(s - exact_s).max() <= np.spacing(np.float32(1.0))  # float32 rounding of a . s1, at most one ulp
+
+
+def test_counts_exact_with_an_fp16_pool_tensor():
+    torch = pytest.importorskip("torch")
+    a, s1, pool, anchor_docs, pool_docs = tie_case(seed=5)
+    pool16 = pool.astype(np.float16)  # the stored fp16 values are the pool; scores are fp32
+    _, n = consistency_counts(a, s1, torch.from_numpy(pool16), anchor_docs, pool_docs, chunk_mb=0.02)
+    assert np.array_equal(n, exact_n_above(a, s1, pool16.astype(np.float32), anchor_docs, pool_docs))
+
+
+def test_shapes_that_disagree_are_refused():
+    with pytest.raises(ValueError, match="shapes disagree"):
+        consistency_counts(unit([1, 0, 0]), unit([0.8, 0.6, 0]), POOL, np.array([1]), POOL_DOCS[:3])
+    with pytest.raises(ValueError, match="shapes disagree"):
+        consistency_counts(unit([1, 0, 0]), unit([0.8, 0.6, 0], [1, 0, 0]), POOL, np.array([1]), POOL_DOCS)
