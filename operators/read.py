@@ -87,9 +87,8 @@ class ColumnTypeError(InputError):
 
 def open_input(path: str, storage: Storage = LOCAL):
     """Open ``path`` (local path or any fsspec URL such as ``s3://``) for binary reading. Call it inside
-    ``storage.retry(...)`` so that a transient error retries the whole read."""
-    fs, p = storage.fs(path)
-    return fs.open(p, "rb")
+    ``storage.retry(...)`` (or use ``storage.read_with``) so that a transient error retries the whole read."""
+    return storage.open(path)
 
 
 def compression_of(head: bytes) -> str | None:

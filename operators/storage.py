@@ -134,7 +134,8 @@ class Storage:
         return opts
 
     def fs(self, path: str):
-        """(fsspec filesystem, path without protocol) for ``path``."""
+        """(fsspec filesystem, path without protocol) for ``path``: for this class's operations (and tests); the
+        commands use the operations, which retry."""
         import fsspec
 
         return fsspec.core.url_to_fs(path, **self.options(path))
@@ -196,6 +197,24 @@ class Storage:
 
         self.retry("write", path, put)
 
+    def append(self, path: str, data: bytes) -> None:
+        """Append ``data`` to the local file ``path`` (a log read line by line, such as train's metrics.jsonl;
+        readers may see its last line cut). Object stores have no append: rewrite the file with
+        :meth:`write_bytes` there.
+
+        Raises:
+            ValueError: ``path`` is not local.
+        """
+        if not is_local(path):
+            raise ValueError(f"append {path}: object storage has no append; write the whole file")
+        fs, p = self.fs(path)
+
+        def add():
+            with fs.open(p, "ab") as f:
+                f.write(data)
+
+        self.retry("append", path, add)
+
     def write_parquet_stream(self, path: str, schema, tables) -> int:
         """Write the tables of the iterable ``tables`` (each with ``schema``) one after the other as one zstd
         parquet file at ``path``, holding one of them at a time; readers see the old file or the whole new one,
@@ -233,6 +252,80 @@ class Storage:
             if os.path.exists(tmp):
                 os.remove(tmp)
         return rows
+
+    def absolute(self, path: str) -> str:
+        """``path`` normalised as every listing names it: a local path made absolute, a URL kept with its
+        protocol (no trailing ``/``)."""
+        fs, p = self.fs(path)
+        return self.url(path, p)
+
+    def open(self, path: str):
+        """``path`` opened for binary reading (a file object; use it in ``with``). Reads on it are not retried:
+        call it inside :meth:`retry`, or use :meth:`read_with`, so that a transient error retries the whole read."""
+        fs, p = self.fs(path)
+        return fs.open(p, "rb")
+
+    def read_with(self, path: str, fn: Callable[[object], T], what: str = "read") -> T:
+        """``fn(f)`` on ``path`` opened for binary reading, the open and the whole of ``fn`` retried on a transient
+        error (``fn`` must be a pure read: it may run more than once)."""
+
+        def attempt() -> T:
+            with self.open(path) as f:
+                return fn(f)
+
+        return self.retry(what, path, attempt)
+
+    def read_parquet(self, path: str, columns: list[str] | None = None):
+        """The parquet file ``path`` as a pyarrow Table (``columns`` only, when given), retried as a whole."""
+        import pyarrow.parquet as pq
+
+        return self.read_with(path, lambda f: pq.read_table(f, columns=columns))
+
+    def files(self, path: str) -> tuple[str, str, list[tuple[str, dict]]]:
+        """The files ``path`` names, sorted: (kind, ``path`` normalised (absolute; the URL's protocol kept), [(full
+        path, fsspec info)]); kind is ``glob`` (``path`` has ``*``, ``?`` or ``[``), ``folder`` (every file below
+        it, recursively) or ``file``. Listed in one retried operation.
+
+        Raises:
+            FileNotFoundError: nothing exists at ``path`` (a glob that matches nothing gives ``[]``).
+        """
+        import glob as _glob
+
+        fs, root = self.fs(path)
+
+        def listing() -> tuple[str, list[tuple[str, dict]]]:
+            fs.invalidate_cache()
+            if _glob.has_magic(root):
+                kind, found = "glob", {p: fs.info(p) for p in fs.glob(root)}
+            elif fs.isdir(root):
+                kind, found = "folder", fs.find(root, detail=True)
+            elif fs.exists(root):
+                kind, found = "file", {root: fs.info(root)}
+            else:
+                raise FileNotFoundError(f"{path} does not exist")
+            return kind, sorted((p, info) for p, info in found.items() if info.get("type", "file") == "file")
+
+        kind, found = self.retry("list", path, listing)
+        return kind, self.url(path, root), [(self.url(path, p), info) for p, info in found]
+
+    def find(self, path: str) -> list[str]:
+        """Full paths of every file below folder ``path`` (recursively), sorted; [] if it is missing or a file."""
+        try:
+            kind, _, found = self.files(path)
+        except FileNotFoundError:
+            return []
+        return [p for p, _ in found] if kind == "folder" else []
+
+    def arrow_filesystem(self, path: str):
+        """(pyarrow filesystem, path for it) for a reader library that takes one (Ray Data's ``read_parquet``):
+        this storage's fsspec filesystem (endpoint, region, credentials of ``[storage]``) wrapped for pyarrow.
+        Its reads are the library's, not retried here."""
+        import pyarrow.fs as pafs
+
+        fs, p = self.fs(path)
+        if is_local(path):
+            return pafs.LocalFileSystem(), p
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), p
 
     def info(self, path: str) -> dict | None:
         """fsspec info of ``path`` (``type`` is ``file`` or ``directory``), None when it does not exist. Unlike
@@ -288,6 +381,15 @@ class Storage:
             return path
         proto = like.split("://", 1)[0]
         return path if "://" in path else f"{proto}://{path}"
+
+
+def join(folder: str, *names: str) -> str:
+    """``folder/names...``: a local path as :mod:`os.path` joins it, a URL (``s3://...``) with ``/``."""
+    import os
+
+    if "://" not in folder:
+        return os.path.join(folder, *names)
+    return "/".join([folder.rstrip("/"), *names])
 
 
 def _invalidate(path: str, storage: Storage) -> None:

@@ -392,6 +392,7 @@ Screenshot in headless Chromium: scripts/report_screenshot.sh RUN/report/report.
 examples:
   pairmine report runs/20261129T124700Z-a1b2c3
   pairmine report runs/sample --examples 8 --seed 1 --output /tmp/sample-report
+  pairmine report s3://bucket/runs/sample --config s3.toml      # [storage] endpoint_url = "http://..."
 """
 
 CALIBRATE_EPILOG = """\
@@ -420,17 +421,19 @@ def add_eval_commands(sub) -> None:
         "with --sts, Spearman correlation on an STS-B style file.")
     e.add_argument("--model", metavar="PATH_OR_ID", help="local model folder or hub id (default: the mining job's "
                    "default, all-MiniLM-L6-v2). Same as embed.model")
-    e.add_argument("--beir", metavar="DIR", help="BEIR folder with corpus.jsonl, queries.jsonl, qrels/<split>.tsv")
+    e.add_argument("--beir", metavar="DIR", help="BEIR folder with corpus.jsonl, queries.jsonl, qrels/<split>.tsv "
+                   "(local or s3://; [storage] of --config/--set, else the AWS environment)")
     e.add_argument("--split", default="test", help="qrels file to use: qrels/<split>.tsv (default: test)")
     e.add_argument("--sts", metavar="FILE", help="STS-B style tab-separated file (genre, file, year, id, score, "
                    "sentence1, sentence2): adds Spearman correlation")
-    e.add_argument("--output", metavar="DIR", help="folder for summary.json and per_query.json (default: "
-                   "evals/<UTC time>-<suffix>); files there are replaced")
+    e.add_argument("--output", metavar="DIR", help="folder for summary.json and per_query.json, local or s3:// "
+                   "(default: evals/<UTC time>-<suffix>); files there are replaced")
     e.add_argument("--query-prefix", metavar="TEXT", help='text put before each query (default: from the model: its '
                    'pairmine_model.json, else "query: " for E5, else ""). Same as embed.query_prefix')
     e.add_argument("--passage-prefix", metavar="TEXT", help='text put before each document (default: from the '
                    'model: its pairmine_model.json, else "passage: " for E5, else ""). Same as embed.passage_prefix')
-    e.add_argument("--config", metavar="FILE", help="TOML file; its [embed] table is used (see pairmine mine --help)")
+    e.add_argument("--config", metavar="FILE", help="TOML file; its [embed] and [storage] tables are used (see "
+                   "pairmine mine --help)")
     e.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override a config key, e.g. --set embed.batch_size=64 --set embed.max_length=512")
     c = sub.add_parser(
@@ -447,7 +450,10 @@ def add_eval_commands(sub) -> None:
     c.add_argument("--ci", type=float, default=0.95, help="confidence level of the interval (default: 0.95)")
     c.add_argument("--common-only", action="store_true", help="compare on the queries both results hold (default: "
                    "differing query sets are an error)")
-    c.add_argument("--output", metavar="FILE", help="also write the comparison as JSON")
+    c.add_argument("--output", metavar="FILE", help="also write the comparison as JSON (local or s3://)")
+    c.add_argument("--config", metavar="FILE", help="TOML file; its [storage] table reaches s3:// results")
+    c.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a config key, e.g. --set storage.endpoint_url=http://127.0.0.1:8333")
     r = sub.add_parser(
         "report", help="HTML page with plots and example groups of a mined run", formatter_class=raw,
         epilog=REPORT_EPILOG,
@@ -455,14 +461,19 @@ def add_eval_commands(sub) -> None:
         "histogram with the threshold, groups per document, passage coverage, the consistency filter's n_above "
         "histogram and keep rate, and example tables (like the paper's Table 5): anchors, related passages with "
         "dense, TF-IDF and RRF scores, and the passages never used with their centrality.")
-    r.add_argument("run", metavar="RUN", help="run folder (<output>/<run_id> of pairmine mine), local")
-    r.add_argument("--output", metavar="DIR", help="folder for report.html and the PNGs (default: RUN/report)")
+    r.add_argument("run", metavar="RUN", help="run folder (<output>/<run_id> of pairmine mine), local or s3://")
+    r.add_argument("--output", metavar="DIR", help="folder for report.html and the PNGs, local or s3:// "
+                   "(default: RUN/report)")
     r.add_argument("--examples", type=int, default=5, help="documents with groups to show (default: 5)")
     r.add_argument("--groups-per-doc", type=int, default=1,
                    help="groups shown per document (default: 1, as in the paper's Table 5)")
     r.add_argument("--seed", type=int, default=0, help="seed of the document sample (default: 0)")
     r.add_argument("--no-reembed", action="store_true", help="do not embed the sampled documents again (unused "
                    "passages are then listed without their centrality)")
+    r.add_argument("--config", metavar="FILE", help="TOML file; its [storage] table reaches an s3:// run, output and "
+                   "input (the run's recorded [storage] is the default for its input)")
+    r.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a config key, e.g. --set storage.endpoint_url=http://127.0.0.1:8333")
     k = sub.add_parser(
         "calibrate", help="propose an anchor threshold for a model and corpus", formatter_class=raw,
         epilog=CALIBRATE_EPILOG,
@@ -526,7 +537,8 @@ def cmd_compare(args) -> int:
 
     from pairmine.pipeline.evaluate import compare_results, load_per_query, verdict
 
-    a, b = load_per_query(args.result_a), load_per_query(args.result_b)
+    storage = _eval_config(args, ()).storage_layer()
+    a, b = load_per_query(args.result_a, storage), load_per_query(args.result_b, storage)
     comps, info = compare_results(a, b, args.metric, args.common_only, args.resamples, args.seed, args.ci)
     print(f"A: {a['path']} ({a.get('model', '?')})\nB: {b['path']} ({b.get('model', '?')})")
     print(f"queries: {info['queries_common']} compared (A {info['queries_a']}, B {info['queries_b']})")
@@ -540,16 +552,18 @@ def cmd_compare(args) -> int:
     for c in comps:
         print(f"{c.metric}: {verdict(c)}")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"a": a["path"], "b": b["path"], **info, "resamples": args.resamples, "seed": args.seed,
-                       "comparisons": [c.__dict__ for c in comps]}, f, indent=1)
+        storage.write_bytes(args.output, json.dumps({
+            "a": a["path"], "b": b["path"], **info, "resamples": args.resamples, "seed": args.seed,
+            "comparisons": [c.__dict__ for c in comps]}, indent=1).encode("utf-8"))
     return 0
 
 
 def cmd_report(args) -> int:
     from pairmine.pipeline.report import build_report
 
-    res = build_report(args.run, args.output or "", args.examples, args.seed, args.groups_per_doc, not args.no_reembed)
+    storage = _eval_config(args, ()).storage_layer()
+    res = build_report(args.run, args.output or "", args.examples, args.seed, args.groups_per_doc, not args.no_reembed,
+                       storage)
     for n in res.notes:
         print(f"note: {n}")
     print(f"report: {res.html}\nplots: {', '.join(res.pngs)}")

@@ -16,6 +16,11 @@ get the query prefix (E5's convention for symmetric tasks).
 
 Output folder: ``summary.json`` (means, counts, every skipped line by reason, timings, the command's settings) and
 ``per_query.json`` (every query's scores: the input of ``pairmine compare``).
+
+The BEIR folder, the STS file, the output folder and compare's result files may be local or ``s3://``: they are read
+and written through :class:`operators.storage.Storage` (``[storage]`` of the config, else the AWS environment; reads
+retried as a whole on transient errors, files published whole). The model is loaded as ``embed.model`` names it
+(a local folder or a hub id).
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import hashlib
+import io
 import json
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from pairmine.operators.read import BLANK, jsonl_record
+from pairmine.operators.storage import LOCAL, Storage, join
 
 log = logging.getLogger("pairmine")
 
@@ -67,6 +73,23 @@ class Skips:
     def as_dict(self) -> dict:
         return {"counts": dict(sorted(self.counts.items())), "examples": dict(sorted(self.examples.items()))}
 
+    def merge(self, other: "Skips") -> None:
+        for reason, n in other.counts.items():
+            self.counts[reason] += n
+            for where in other.examples.get(reason, []):
+                self.examples.setdefault(reason, [])
+                if len(self.examples[reason]) < SKIP_EXAMPLES:
+                    self.examples[reason].append(where)
+
+
+def _name(path: str) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def _shown(path: str) -> str:
+    """``path`` as the summary records it: a local path made absolute, a URL as given."""
+    return str(path) if "://" in str(path) else str(Path(path).resolve())
+
 
 @dataclass
 class BeirData:
@@ -87,32 +110,37 @@ class BeirData:
     skips: Skips
 
 
-def _read_jsonl(path: Path, kind: str, skips: Skips) -> list[tuple[str, dict]]:
+def _read_jsonl(path: str, kind: str, skips: Skips, storage: Storage = LOCAL) -> list[tuple[str, dict]]:
     """(id, record) per valid line of a BEIR JSONL file; invalid JSON, a missing ``_id`` or a duplicate id are
     counted as ``{kind}.invalid_json`` / ``{kind}.missing_id`` / ``{kind}.duplicate_id``."""
-    out, seen = [], set()
-    try:
-        f = path.open("rb")
-    except OSError as e:
-        raise EvalInputError(f"cannot read {path}: {e}") from None
-    with f:
+    name = _name(path)
+
+    def parse(f) -> tuple[list[tuple[str, dict]], Skips]:
+        out, seen, found = [], set(), Skips()  # found: merged once the read succeeded (a retry starts over)
         for n, raw in enumerate(f, start=1):
             rec = jsonl_record(raw)
             if rec is BLANK:
                 continue
             if rec is None:
-                skips.add(f"{kind}.invalid_json", f"{path.name}:{n}")
+                found.add(f"{kind}.invalid_json", f"{name}:{n}")
                 continue
             rid = rec.get("_id")
             if rid is None or str(rid).strip() == "":
-                skips.add(f"{kind}.missing_id", f"{path.name}:{n}")
+                found.add(f"{kind}.missing_id", f"{name}:{n}")
                 continue
             rid = str(rid)
             if rid in seen:
-                skips.add(f"{kind}.duplicate_id", f"{path.name}:{n}")
+                found.add(f"{kind}.duplicate_id", f"{name}:{n}")
                 continue
             seen.add(rid)
             out.append((rid, rec))
+        return out, found
+
+    try:
+        out, found = storage.read_with(str(path), parse)
+    except OSError as e:
+        raise EvalInputError(f"cannot read {path}: {e}") from None
+    skips.merge(found)
     return out
 
 
@@ -125,7 +153,7 @@ def _text(rec: dict, with_title: bool) -> str:
     return text.strip()
 
 
-def load_beir(folder: str | Path, split: str = "test") -> BeirData:
+def load_beir(folder: str | Path, split: str = "test", storage: Storage = LOCAL) -> BeirData:
     """Read and check a BEIR folder: ``corpus.jsonl``, ``queries.jsonl`` and ``qrels/{split}.tsv``.
 
     Lines that cannot be used are skipped and counted by reason (never silently): invalid JSON, missing or duplicate
@@ -133,35 +161,43 @@ def load_beir(folder: str | Path, split: str = "test") -> BeirData:
     unknown document or query. Queries without any judgement of grade > 0 are not evaluated (counted as
     ``queries.no_relevant_judgement``); queries that appear in no judgement at all are not embedded.
 
+    Args:
+        folder: local or ``s3://`` (read with ``storage``).
+
     Returns:
         A :class:`BeirData`.
 
     Raises:
         EvalInputError: the folder or one of the three files is missing, or nothing usable is left (no document,
             no query with a relevant judgement).
+        StorageError: a file cannot be read (not transient, or after the retries).
     """
-    root = Path(folder)
-    if not root.is_dir():
+    root = str(folder)
+    info = storage.info(root)
+    if info is None or info.get("type") != "directory":
         raise EvalInputError(f"BEIR folder {root} does not exist (expected corpus.jsonl, queries.jsonl, qrels/{split}.tsv)")
-    corpus_path, queries_path, qrels_path = root / "corpus.jsonl", root / "queries.jsonl", root / "qrels" / f"{split}.tsv"
-    for p in (corpus_path, queries_path, qrels_path):
-        if not p.is_file():
-            found = sorted(x.name for x in (root / "qrels").glob("*.tsv")) if (root / "qrels").is_dir() else []
+    names = {"corpus.jsonl": join(root, "corpus.jsonl"), "queries.jsonl": join(root, "queries.jsonl"),
+             f"qrels/{split}.tsv": join(root, "qrels", f"{split}.tsv")}
+    corpus_path, queries_path, qrels_path = names.values()
+    for rel, p in names.items():
+        got = storage.info(p)
+        if got is None or got.get("type") == "directory":
+            found = sorted(_name(x) for x in storage.ls(join(root, "qrels")) if x.endswith(".tsv"))
             hint = f" (qrels files there: {', '.join(found)}; choose one with --split)" if p == qrels_path and found else ""
-            raise EvalInputError(f"BEIR folder {root} has no {p.relative_to(root)}{hint}")
+            raise EvalInputError(f"BEIR folder {root} has no {rel}{hint}")
     skips = Skips()
     corpus = {}
-    for rid, rec in _read_jsonl(corpus_path, "corpus", skips):
+    for rid, rec in _read_jsonl(corpus_path, "corpus", skips, storage):
         text = _text(rec, with_title=True)
         if not text:
-            skips.add("corpus.empty_text", f"{corpus_path.name} _id={rid}")
+            skips.add("corpus.empty_text", f"{_name(corpus_path)} _id={rid}")
             continue
         corpus[rid] = text
     queries = {}
-    for rid, rec in _read_jsonl(queries_path, "queries", skips):
+    for rid, rec in _read_jsonl(queries_path, "queries", skips, storage):
         text = _text(rec, with_title=False)
         if not text:
-            skips.add("queries.empty_text", f"{queries_path.name} _id={rid}")
+            skips.add("queries.empty_text", f"{_name(queries_path)} _id={rid}")
             continue
         queries[rid] = text
     if not corpus:
@@ -170,31 +206,31 @@ def load_beir(folder: str | Path, split: str = "test") -> BeirData:
         raise EvalInputError(f"{queries_path} holds no usable query ({_skip_text(skips)})")
 
     qrels: dict[str, dict[str, int]] = {}
-    with qrels_path.open("rb") as f:
-        for n, raw in enumerate(f, start=1):
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            if not line.strip():
+    qrels_name = _name(qrels_path)
+    for n, raw in enumerate(storage.read_bytes(qrels_path).split(b"\n"), start=1):  # qrels are small: one read
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        if not line.strip():
+            continue
+        parts = line.split("\t") if "\t" in line else line.split()
+        if len(parts) == 4:  # TREC qrels: qid 0 docid rel
+            parts = [parts[0], parts[2], parts[3]]
+        try:
+            qid, did, grade = parts[0].strip(), parts[1].strip(), int(parts[2])
+        except (IndexError, ValueError):
+            if n == 1:  # the header "query-id corpus-id score"
                 continue
-            parts = line.split("\t") if "\t" in line else line.split()
-            if len(parts) == 4:  # TREC qrels: qid 0 docid rel
-                parts = [parts[0], parts[2], parts[3]]
-            try:
-                qid, did, grade = parts[0].strip(), parts[1].strip(), int(parts[2])
-            except (IndexError, ValueError):
-                if n == 1:  # the header "query-id corpus-id score"
-                    continue
-                skips.add("qrels.malformed_line", f"{qrels_path.name}:{n}")
-                continue
-            if len(parts) != 3 or not qid or not did:
-                skips.add("qrels.malformed_line", f"{qrels_path.name}:{n}")
-            elif qid not in queries:
-                skips.add("qrels.unknown_query_id", f"{qrels_path.name}:{n} {qid}")
-            elif did not in corpus:
-                skips.add("qrels.unknown_doc_id", f"{qrels_path.name}:{n} {did}")
-            elif did in qrels.get(qid, {}):
-                skips.add("qrels.duplicate_judgement", f"{qrels_path.name}:{n}")
-            else:
-                qrels.setdefault(qid, {})[did] = grade
+            skips.add("qrels.malformed_line", f"{qrels_name}:{n}")
+            continue
+        if len(parts) != 3 or not qid or not did:
+            skips.add("qrels.malformed_line", f"{qrels_name}:{n}")
+        elif qid not in queries:
+            skips.add("qrels.unknown_query_id", f"{qrels_name}:{n} {qid}")
+        elif did not in corpus:
+            skips.add("qrels.unknown_doc_id", f"{qrels_name}:{n} {did}")
+        elif did in qrels.get(qid, {}):
+            skips.add("qrels.duplicate_judgement", f"{qrels_name}:{n}")
+        else:
+            qrels.setdefault(qid, {})[did] = grade
     for qid in sorted(q for q, judged in qrels.items() if not any(g > 0 for g in judged.values())):
         skips.add("queries.no_relevant_judgement", qid)
         del qrels[qid]
@@ -220,7 +256,7 @@ class StsData:
     skips: Skips
 
 
-def load_sts(path: str | Path) -> StsData:
+def load_sts(path: str | Path, storage: Storage = LOCAL) -> StsData:
     """Read an STS-B style file: tab-separated ``genre, file, year, id, score, sentence1, sentence2`` (extra
     columns, such as the source notes of some STS-B lines, are ignored). No quoting: quotes are text.
 
@@ -228,25 +264,27 @@ def load_sts(path: str | Path) -> StsData:
         EvalInputError: the file is missing or holds no usable pair (lines with fewer than 7 fields, a score that
             is not a number, or an empty sentence are counted as skips).
     """
-    p = Path(path)
-    if not p.is_file():
+    p = str(path)
+    info = storage.info(p)
+    if info is None or info.get("type") == "directory":
         raise EvalInputError(f"STS file {p} does not exist")
-    s1, s2, gold, skips = [], [], [], Skips()
-    with p.open(encoding="utf-8", errors="replace", newline="") as f:
+    s1, s2, gold, skips, name = [], [], [], Skips(), _name(p)
+    text = storage.read_bytes(p).decode("utf-8", errors="replace")  # an STS file is small: one read
+    with io.StringIO(text, newline="") as f:
         for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
             if not row or not "".join(row).strip():
                 continue
             if len(row) < 7:
-                skips.add("sts.too_few_fields", f"{p.name}:{n}")
+                skips.add("sts.too_few_fields", f"{name}:{n}")
                 continue
             try:
                 score = float(row[4])
             except ValueError:
-                skips.add("sts.bad_score", f"{p.name}:{n}")
+                skips.add("sts.bad_score", f"{name}:{n}")
                 continue
             a, b = row[5].strip(), row[6].strip()
             if not a or not b or not np.isfinite(score):
-                skips.add("sts.empty_sentence" if np.isfinite(score) else "sts.bad_score", f"{p.name}:{n}")
+                skips.add("sts.empty_sentence" if np.isfinite(score) else "sts.bad_score", f"{name}:{n}")
                 continue
             s1.append(a)
             s2.append(b)
@@ -318,12 +356,14 @@ def ir_metrics(qrels: dict[str, dict[str, int]], run: dict[str, dict[str, float]
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
+def _sha256(path: str, storage: Storage = LOCAL) -> str:
+    def digest(f) -> str:
+        h = hashlib.sha256()
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    return h.hexdigest()
+        return h.hexdigest()
+
+    return storage.read_with(path, digest)
 
 
 def make_embedder(cfg):
@@ -349,10 +389,11 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
     per_query.json (retrieval only) to ``output``.
 
     Args:
-        cfg: a validated ``MineConfig``; its embed section (model, prefixes, max_length, batch size, dtype) is used.
-        beir: BEIR folder (corpus.jsonl, queries.jsonl, qrels/{split}.tsv), or None.
-        sts: STS-B style file, or None.
-        output: folder for the JSON files (created); empty: ``evals/<UTC time>-<suffix>``.
+        cfg: a validated ``MineConfig``; its embed section (model, prefixes, max_length, batch size, dtype) is used,
+            and its storage section reaches ``s3://`` inputs and output.
+        beir: BEIR folder (corpus.jsonl, queries.jsonl, qrels/{split}.tsv), local or ``s3://``, or None.
+        sts: STS-B style file, local or ``s3://``, or None.
+        output: folder for the JSON files (created), local or ``s3://``; empty: ``evals/<UTC time>-<suffix>``.
         split: the qrels file to use.
 
     Returns:
@@ -368,11 +409,13 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
     if not beir and not sts:
         raise EvalInputError("nothing to evaluate: give --beir DIR and/or --sts FILE")
     t_start = time.time()
-    data = load_beir(beir, split) if beir else None  # fail on bad input before loading the model
-    sts_data = load_sts(sts) if sts else None
+    storage = cfg.storage_layer()
+    data = load_beir(beir, split, storage) if beir else None  # fail on bad input before loading the model
+    sts_data = load_sts(sts, storage) if sts else None
     check_model(cfg)
-    out_dir = Path(output or Path("evals") / new_run_id())
-    if out_dir.exists() and not out_dir.is_dir():
+    out_dir = str(output or Path("evals") / new_run_id())
+    info = storage.info(out_dir)
+    if info is not None and info.get("type") != "directory":
         raise EvalInputError(f"--output {out_dir} is a file; it must be a folder (created if missing)")
     embedder = make_embedder(cfg)
     qprefix, pprefix = cfg.resolved_query_prefix(), cfg.resolved_prefix()
@@ -396,9 +439,9 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
         run = {q: {data.corpus_ids[j]: float(s) for j, s in zip(idx[i], scores[i])} for i, q in enumerate(data.query_ids)}
         per_query = ir_metrics(data.qrels, run)
         means = {m: float(np.mean([v[m] for v in per_query.values()])) for m in METRICS}
-        root = Path(beir)
+        root = str(beir)
         summary["retrieval"] = {
-            "dataset": str(root.resolve()),
+            "dataset": _shown(root),
             "split": split,
             "documents": len(data.corpus_ids),
             "queries_evaluated": len(data.query_ids),
@@ -409,8 +452,8 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
             "mrr_note": "trec_eval recip_rank on the run cut to its top 10 (trec_eval -M 10)",
             "search": f"exact, fp32 inner product of unit vectors, top {TOP_K}",
             "skipped": data.skips.as_dict(),
-            "fingerprint": {"qrels_sha256": _sha256(root / "qrels" / f"{split}.tsv"),
-                            "corpus_sha256": _sha256(root / "corpus.jsonl")},
+            "fingerprint": {"qrels_sha256": _sha256(join(root, "qrels", f"{split}.tsv"), storage),
+                            "corpus_sha256": _sha256(join(root, "corpus.jsonl"), storage)},
             "seconds": {"embed_corpus": round(t_docs, 2), "embed_queries": round(t_queries, 2)},
         }
     if sts_data is not None:
@@ -421,7 +464,7 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
         e2 = embedder.encode(sts_data.sentence2, prefix=qprefix)  # (n_pairs, dim)
         cos = (e1 * e2).sum(axis=1).astype(np.float64)  # (n_pairs,)
         summary["sts"] = {
-            "file": str(Path(sts).resolve()),
+            "file": _shown(sts),
             "pairs": len(cos),
             "spearman": round(float(spearmanr(cos, sts_data.gold).statistic), 6),
             "pearson": round(float(pearsonr(cos, sts_data.gold).statistic), 6),
@@ -431,15 +474,15 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
         }
     summary["seconds_total"] = round(time.time() - t_start, 2)
     summary["files"] = {"summary": "summary.json", "per_query": "per_query.json" if per_query is not None else None}
-    out_dir.mkdir(parents=True, exist_ok=True)
+    storage.makedirs(out_dir)
     if per_query is not None:
-        _write_json(out_dir / "per_query.json", {
+        _write_json(join(out_dir, "per_query.json"), {
             "format": PER_QUERY_FORMAT, "model": summary["model"], "dataset": summary["retrieval"]["dataset"],
             "split": split, "fingerprint": summary["retrieval"]["fingerprint"], "metrics": list(METRICS),
             "queries": per_query,
-        })
-    _write_json(out_dir / "summary.json", summary)
-    return EvalResult(str(out_dir), summary)
+        }, storage)
+    _write_json(join(out_dir, "summary.json"), summary, storage)
+    return EvalResult(out_dir, summary)
 
 
 def _library_version(name: str) -> str:
@@ -451,10 +494,8 @@ def _library_version(name: str) -> str:
         return name
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+def _write_json(path: str, obj, storage: Storage = LOCAL) -> None:
+    storage.write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode("utf-8"))  # published whole
 
 
 # ---- paired comparison ---------------------------------------------------------------------------------------------
@@ -484,26 +525,30 @@ class MetricComparison:
     p_value: float
 
 
-def load_per_query(path: str | Path) -> dict:
+def load_per_query(path: str | Path, storage: Storage = LOCAL) -> dict:
     """Read an evaluation's per-query scores: a ``pairmine eval`` output folder, its ``per_query.json``, or its
-    ``summary.json`` (per_query.json is read from beside it).
+    ``summary.json`` (per_query.json is read from beside it); local or ``s3://``.
 
     Raises:
         EvalInputError: the file is missing, not JSON, or not a per-query result.
     """
-    p = Path(path)
-    if p.is_dir() or p.name == "summary.json":
-        p = (p if p.is_dir() else p.parent) / "per_query.json"
-    if not p.is_file():
+    p = str(path)
+    info = storage.info(p)
+    if info is not None and info.get("type") == "directory":
+        p = join(p, "per_query.json")
+    elif _name(p) == "summary.json":
+        p = join(p.rstrip("/").rsplit("/", 1)[0] if "://" in p else str(Path(p).parent), "per_query.json")
+    info = storage.info(p)
+    if info is None or info.get("type") == "directory":
         raise EvalInputError(f"{path}: no per-query result ({p} does not exist; give a `pairmine eval --beir` output "
                              "folder or its per_query.json)")
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(storage.read_bytes(p).decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise EvalInputError(f"{p} is not valid JSON: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("queries"), dict) or not data["queries"]:
         raise EvalInputError(f"{p} is not a per-query result of pairmine eval (no 'queries' object with scores)")
-    data["path"] = str(p)
+    data["path"] = p
     return data
 
 

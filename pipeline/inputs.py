@@ -9,7 +9,6 @@ per row group through ``pipeline.first_pass``.
 
 from __future__ import annotations
 
-import glob as _glob
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,13 +130,13 @@ def content_sha256(path: str, storage: Storage = LOCAL) -> str:
     return storage.retry("read", path, digest)
 
 
-def content_fingerprint(fs, path: str, info: dict) -> str:
-    """``etag:<ETag>`` for an object-store file (no read needed), else ``sha256:<hash of the content>``."""
+def content_fingerprint(storage: Storage, path: str, info: dict) -> str:
+    """``etag:<ETag>`` for an object-store file (no read needed), else ``sha256:<hash of the content>`` (retried
+    as a whole on a transient error)."""
     etag = info.get("ETag") or info.get("etag")
     if etag:
         return "etag:" + str(etag).strip('"')
-    with fs.open(path, "rb") as f:
-        return _sha256_of(f)
+    return storage.read_with(path, _sha256_of, "fingerprint")
 
 
 def discover_shards(path: str = "", fmt: str = "auto", storage: Storage = LOCAL) -> list[Shard]:
@@ -158,21 +157,10 @@ def discover_shards(path: str = "", fmt: str = "auto", storage: Storage = LOCAL)
         StorageError: the listing failed (not transient, or after the retries).
     """
     path = path or str(SAMPLE_DIR)
-    fs, root = storage.fs(path)
-
-    def listing() -> tuple[str, list[tuple[str, dict]]]:
-        fs.invalidate_cache()
-        if _glob.has_magic(root):
-            kind, found = "glob", {p: fs.info(p) for p in fs.glob(root)}
-        elif fs.isdir(root):
-            kind, found = "folder", fs.find(root, detail=True)
-        elif fs.exists(root):
-            kind, found = "file", {root: fs.info(root)}
-        else:
-            raise FileNotFoundError(f"input {path} does not exist")
-        return kind, sorted((p, info) for p, info in found.items() if info.get("type", "file") == "file")
-
-    kind, files = storage.retry("list", path, listing)
+    try:
+        kind, root, files = storage.files(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"input {path} does not exist") from None
     if kind == "folder":
         def hidden(p: str) -> bool:
             return any(part.startswith((".", "_")) for part in p[len(root):].strip("/").split("/"))
@@ -187,9 +175,8 @@ def discover_shards(path: str = "", fmt: str = "auto", storage: Storage = LOCAL)
                 "optionally .gz/.zst/.bz2/.xz); "
                 "set input.format to parquet or jsonl, or point --input at the data files"
             )
-        full = Storage.url(path, p)
-        fp = storage.retry("fingerprint", full, lambda: content_fingerprint(fs, p, info))
-        shards.append(Shard(index=len(shards), path=full, format=f, size=int(info.get("size") or 0), fingerprint=fp))
+        fp = content_fingerprint(storage, p, info)
+        shards.append(Shard(index=len(shards), path=p, format=f, size=int(info.get("size") or 0), fingerprint=fp))
     if not shards:
         raise FileNotFoundError(f"input {path} holds no parquet or JSONL file")
     return shards

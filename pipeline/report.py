@@ -11,11 +11,17 @@ them again with the mine operator (deterministic) and, for their centrality, emb
 model and prefix. Each document's re-chunked passages are checked against the run's anchor and related texts, and
 the recomputed anchor centralities against the stored ones; the page shows both checks. Where the input or the
 model is not available, the page says so and shows what the groups alone allow.
+
+The run, its input and the output folder may be local or on an object store (``s3://``): every read and write goes
+through :class:`operators.storage.Storage` (``[storage]`` of the command's config, else the AWS environment), with
+its retries; each file is published whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
+import io
 import json
 import logging
 from dataclasses import dataclass, field
@@ -23,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pairmine.operators.storage import LOCAL, Storage, join
 from pairmine.pipeline.evaluate import EvalInputError
 from pairmine.pipeline.provenance import SUCCESS_MARKER
 
@@ -46,18 +53,31 @@ class ReportResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _load_run(run: Path) -> tuple[dict, dict]:
-    if not run.is_dir():
+def _load_run(run: str, storage: Storage = LOCAL) -> tuple[dict, dict]:
+    info = storage.info(run)
+    if info is None or info.get("type") != "directory":
         raise EvalInputError(f"run folder {run} does not exist")
-    if not (run / SUCCESS_MARKER).is_file():
+    if not storage.exists(join(run, SUCCESS_MARKER)):
         raise EvalInputError(f"{run} is not a committed run folder (no _SUCCESS marker; the run failed, is still "
                              "running, or this is not a pairmine run)")
     try:
-        stats = json.loads((run / "stats.json").read_text())
-        manifest = json.loads((run / "manifest.json").read_text())
+        stats = json.loads(storage.read_bytes(join(run, "stats.json")))
+        manifest = json.loads(storage.read_bytes(join(run, "manifest.json")))
     except (OSError, ValueError) as e:
         raise EvalInputError(f"run {run}: cannot read stats.json/manifest.json: {e}") from None
     return stats, manifest
+
+
+def input_storage(recorded: Storage, storage: Storage | None) -> Storage:
+    """The storage to re-read the run's input with: the run's recorded ``[storage]`` (endpoint, region, retries;
+    credentials are never recorded: the environment's), each setting replaced by the command's own ``[storage]``
+    where that one is set (not its default)."""
+    if storage is None:
+        return recorded
+    default = Storage()
+    given = {f.name: getattr(storage, f.name) for f in dataclasses.fields(Storage)
+             if getattr(storage, f.name) != getattr(default, f.name)}
+    return dataclasses.replace(recorded, **given)
 
 
 def _config(manifest: dict):
@@ -77,6 +97,13 @@ def _config(manifest: dict):
 
 # ---- plots ---------------------------------------------------------------------------------------------------------
 
+def _save(fig, path, storage: Storage) -> None:
+    """The figure as a PNG file at ``path`` (local or ``s3://``), published whole."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    storage.write_bytes(str(path), buf.getvalue())
+
+
 def _figure(width: float = 6.4, height: float = 3.4):
     import matplotlib
 
@@ -87,7 +114,7 @@ def _figure(width: float = 6.4, height: float = 3.4):
     return fig, fig.add_subplot()
 
 
-def plot_centrality(stats: dict, threshold: float, path: Path) -> None:
+def plot_centrality(stats: dict, threshold: float, path: str | Path, storage: Storage = LOCAL) -> None:
     """Bar chart of stats.json's centrality histogram (all passages) with the anchor threshold as a line."""
     h = stats["centrality_histogram"]
     edges, counts = np.asarray(h["bin_edges"], dtype=float), np.asarray(h["counts"], dtype=float)
@@ -104,10 +131,10 @@ def plot_centrality(stats: dict, threshold: float, path: Path) -> None:
     ax.set_title(f"Centrality of {stats.get('passages', int(counts.sum()))} passages; "
                  f"{stats.get('anchor_rate_pct', 0):.1f}% are anchors")
     ax.legend(loc="upper left")
-    fig.savefig(path)
+    _save(fig, path, storage)
 
 
-def plot_groups_per_doc(stats: dict, path: Path) -> None:
+def plot_groups_per_doc(stats: dict, path: str | Path, storage: Storage = LOCAL) -> None:
     """Processed documents by number of kept groups (0 = no group); the last bar counts 32 or more."""
     counts = np.asarray(stats["groups_per_doc_histogram"]["counts"], dtype=float)
     last = int(np.flatnonzero(counts)[-1]) if counts.any() else 0
@@ -121,10 +148,10 @@ def plot_groups_per_doc(stats: dict, path: Path) -> None:
     ax.set_title(f"Groups per document ({stats.get('docs_with_groups', 0)} of {stats.get('docs_processed', 0)} "
                  "documents have groups)")
     ax.legend(loc="upper right")
-    fig.savefig(path)
+    _save(fig, path, storage)
 
 
-def plot_coverage(stats: dict, path: Path) -> None:
+def plot_coverage(stats: dict, path: str | Path, storage: Storage = LOCAL) -> None:
     """Two stacked bars: passages used in a kept group vs never used; documents by outcome."""
     fig, ax = _figure(6.4, 3.4)
     used, total = stats.get("passages_in_groups", 0), max(stats.get("passages", 0), 1)
@@ -158,10 +185,10 @@ def plot_coverage(stats: dict, path: Path) -> None:
     ax.set_xlabel("% of passages / % of input documents")
     ax.set_title(f"Passage coverage {stats.get('passage_coverage_pct', 0):.1f}%")
     fig.legend(loc="outside lower center", ncol=3, fontsize=8, frameon=False)
-    fig.savefig(path)
+    _save(fig, path, storage)
 
 
-def plot_n_above(stats: dict, k: int | None, path: Path) -> None:
+def plot_n_above(stats: dict, k: int | None, path: str | Path, storage: Storage = LOCAL) -> None:
     """The consistency filter's n_above histogram (mined groups), bars with n_above < k (kept) in colour."""
     h = stats["n_above_histogram"]
     edges, counts = h["bin_edges"], np.asarray(h["counts"], dtype=float)
@@ -180,35 +207,32 @@ def plot_n_above(stats: dict, k: int | None, path: Path) -> None:
                      f"groups ({stats.get('consistency_keep_rate_pct', 0):.1f}%)")
     else:
         ax.set_title("Consistency filter was off for this run")
-    fig.savefig(path)
+    _save(fig, path, storage)
 
 
 # ---- examples --------------------------------------------------------------------------------------------------------
 
-def _read_groups(run: Path) -> list[tuple[int, "object"]]:
-    import pyarrow.parquet as pq
+def _read_groups(run: str, storage: Storage = LOCAL) -> list[tuple[int, "object"]]:
+    import fnmatch
 
-    parts = sorted((run / "groups").glob("part-*.parquet"))
+    names = sorted(p.rsplit("/", 1)[-1] for p in storage.ls(join(run, "groups")))
+    parts = [n for n in names if fnmatch.fnmatchcase(n, "part-*.parquet")]
     if not parts:
         raise EvalInputError(f"run {run} has no groups/part-*.parquet")
-    return [(int(p.stem.split("-")[1]), pq.read_table(p)) for p in parts]
+    return [(int(n[: -len(".parquet")].split("-")[1]), storage.read_parquet(join(run, "groups", n))) for n in parts]
 
 
 def _find_texts(shard: dict, id_column: str, text_column: str, ids: set[str], storage) -> dict[str, str]:
     """The text of each of ``ids`` in one input shard (first occurrence), decoded as the read stage decodes it."""
     import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
-    from pairmine.operators.read import (
-        jsonl_document_columns, open_input, parquet_document_columns, read_jsonl_records,
-    )
+    from pairmine.operators.read import jsonl_document_columns, parquet_document_columns, read_jsonl_records
 
     path = shard["path"]
     if shard["format"] == "parquet":
-        with open_input(path, storage) as f:
-            cols = parquet_document_columns(path, pq.read_table(f, columns=[id_column, text_column]), text_column,
-                                            id_column)
+        cols = parquet_document_columns(path, storage.read_parquet(path, [id_column, text_column]), text_column,
+                                        id_column)
     else:
         cols = jsonl_document_columns(path, read_jsonl_records(path, storage), text_column, id_column)
     mask = pc.is_in(cols.ids, value_set=pa.array(sorted(ids), pa.string()))
@@ -218,10 +242,13 @@ def _find_texts(shard: dict, id_column: str, text_column: str, ids: set[str], st
     return found
 
 
-def sample_documents(run: Path, manifest: dict, examples: int, seed: int, groups_per_doc: int, reembed: bool,
-                     notes: list[str]) -> list[dict]:
+def sample_documents(run: str | Path, manifest: dict, examples: int, seed: int, groups_per_doc: int, reembed: bool,
+                     notes: list[str], storage: Storage | None = None) -> list[dict]:
     """Seeded sample of documents with groups, each with its groups and (when its text can be re-read) every
     passage's index, text, centrality and whether a kept group used it.
+
+    ``storage`` reads the run (default: local paths and the AWS environment) and, over the run's recorded
+    ``[storage]`` (:func:`input_storage`), its input.
 
     Returns:
         One dict per document: doc_id, url, groups (up to ``groups_per_doc`` rows of the run), n_groups, passages
@@ -230,7 +257,7 @@ def sample_documents(run: Path, manifest: dict, examples: int, seed: int, groups
     from pairmine.operators.centrality import centrality
     from pairmine.operators.chunk import chunk_text
 
-    parts = _read_groups(run)
+    parts = _read_groups(str(run), storage or LOCAL)
     by_doc: dict[str, dict] = {}
     for shard_index, table in parts:
         for row in table.to_pylist():
@@ -253,11 +280,12 @@ def sample_documents(run: Path, manifest: dict, examples: int, seed: int, groups
     cfg = _config(manifest)
     shards = {s["shard_index"]: s for s in manifest.get("inputs", [])}
     texts: dict[str, str] = {}
+    inputs = input_storage(cfg.storage_layer(), storage)
     for shard_index in sorted({d["shard"] for d in docs}):
         shard = shards.get(shard_index)
         want = {d["doc_id"] for d in docs if d["shard"] == shard_index}
         try:
-            texts.update(_find_texts(shard, cfg.input.id_column, cfg.input.text_column, want, cfg.storage_layer())
+            texts.update(_find_texts(shard, cfg.input.id_column, cfg.input.text_column, want, inputs)
                          if shard else {})
         except Exception as e:  # a moved/removed input: the page says so instead of failing
             notes.append(f"input shard {shard_index} ({shard['path'] if shard else '?'}) could not be read again "
@@ -445,15 +473,17 @@ def _doc_html(d: dict, threshold: float) -> str:
 
 
 def build_report(run: str, output: str = "", examples: int = 5, seed: int = 0, groups_per_doc: int = 1,
-                 reembed: bool = True) -> ReportResult:
+                 reembed: bool = True, storage: Storage | None = None) -> ReportResult:
     """Write ``report.html`` and its PNG plots for a committed run folder.
 
     Args:
-        run: local run folder (``<output>/<run_id>`` of ``pairmine mine``).
-        output: folder for the page and plots; empty: ``<run>/report``.
+        run: run folder (``<output>/<run_id>`` of ``pairmine mine``), local or ``s3://``.
+        output: folder for the page and plots, local or ``s3://``; empty: ``<run>/report``.
         examples: documents with groups sampled for the example tables (seeded by ``seed``).
         groups_per_doc: groups shown per sampled document (all its unused passages are shown).
         reembed: embed the sampled documents' passages again to show the centrality of unused passages.
+        storage: reads the run and writes the page (default: local paths and the AWS environment); the run's input
+            is re-read with its recorded ``[storage]`` overlaid with this one's settings (:func:`input_storage`).
 
     Returns:
         :class:`ReportResult`.
@@ -461,30 +491,34 @@ def build_report(run: str, output: str = "", examples: int = 5, seed: int = 0, g
     Raises:
         EvalInputError: the run folder is missing, not committed, or its files cannot be read.
     """
-    run_dir = Path(run)
-    stats, manifest = _load_run(run_dir)
-    out = Path(output) if output else run_dir / "report"
-    if out.exists() and not out.is_dir():
+    fs_storage = storage or LOCAL
+    run = str(run)
+    stats, manifest = _load_run(run, fs_storage)
+    out = str(output) if output else join(run, "report")
+    info = fs_storage.info(out)
+    if info is not None and info.get("type") != "directory":
         raise EvalInputError(f"--output {out} is a file; it must be a folder (created if missing)")
-    out.mkdir(parents=True, exist_ok=True)
+    fs_storage.makedirs(out)
+    run_name = run.rstrip("/").rsplit("/", 1)[-1]
+    where = str(Path(run).resolve()) if "://" not in run else run.rstrip("/")
     threshold = float(stats.get("anchor_threshold", manifest.get("resolved", {}).get("anchor_threshold", 0.0)))
     k = manifest.get("consistency", {}).get("k") if stats.get("consistency_enabled", True) else None
-    plot_centrality(stats, threshold, out / "centrality.png")
-    plot_groups_per_doc(stats, out / "groups_per_doc.png")
-    plot_coverage(stats, out / "coverage.png")
-    plot_n_above(stats, k, out / "n_above.png")
+    plot_centrality(stats, threshold, join(out, "centrality.png"), fs_storage)
+    plot_groups_per_doc(stats, join(out, "groups_per_doc.png"), fs_storage)
+    plot_coverage(stats, join(out, "coverage.png"), fs_storage)
+    plot_n_above(stats, k, join(out, "n_above.png"), fs_storage)
     notes: list[str] = []
-    docs = sample_documents(run_dir, manifest, examples, seed, groups_per_doc, reembed, notes)
+    docs = sample_documents(run, manifest, examples, seed, groups_per_doc, reembed, notes, storage)
 
     rows = "\n".join(f'<tr><td>{a}</td><td class="n">{b}</td><td class="n">{c}</td></tr>'
                      for a, b, c in _summary_rows(stats, manifest))
     figs = "\n".join(f'<img src="{p}" alt="{p[:-4].replace("_", " ")}">' for p in PLOTS)
     stages = _stages_html(stats.get("stages") or [])
     page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>pairmine report: {html.escape(str(stats.get('run_id', run_dir.name)))}</title>
+<html lang="en"><head><meta charset="utf-8"><title>pairmine report: {html.escape(str(stats.get('run_id', run_name)))}</title>
 <style>{_CSS}</style></head><body>
-<h1>pairmine run {html.escape(str(stats.get('run_id', run_dir.name)))}</h1>
-<div class="sub">{html.escape(str(run_dir.resolve()))} &middot; created {html.escape(str(manifest.get('created_utc', '')))}
+<h1>pairmine run {html.escape(str(stats.get('run_id', run_name)))}</h1>
+<div class="sub">{html.escape(where)} &middot; created {html.escape(str(manifest.get('created_utc', '')))}
 &middot; {len(manifest.get('inputs', []))} input shard(s)</div>
 <h2>Figures</h2>
 <table class="summary"><tr><th></th><th>this run</th><th>paper (seed 000, E5 on FineWeb)</th></tr>
@@ -504,6 +538,6 @@ centrality): they are not in the run's output.</p>
 {''.join(_doc_html(d, threshold) for d in docs)}
 </body></html>
 """
-    html_path = out / "report.html"
-    html_path.write_text(page, encoding="utf-8")
-    return ReportResult(str(html_path), [str(out / p) for p in PLOTS], docs, notes)
+    html_path = join(out, "report.html")
+    fs_storage.write_bytes(html_path, page.encode("utf-8"))
+    return ReportResult(html_path, [join(out, p) for p in PLOTS], docs, notes)

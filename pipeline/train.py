@@ -101,7 +101,7 @@ def epoch_accounting(n_groups: int, batch_size: int) -> tuple[int, int, int]:
 # Driver: the groups
 
 
-def find_group_parts(groups: str, storage=None, folder: str = "groups") -> tuple[object, list[str], str]:
+def find_group_parts(groups: str, storage=None, folder: str = "groups") -> tuple[list[str], str]:
     """The parquet parts of a committed mining run (or, with ``folder="negatives"``, of a negatives run).
 
     Args:
@@ -112,7 +112,7 @@ def find_group_parts(groups: str, storage=None, folder: str = "groups") -> tuple
         folder: the run's parts folder: ``groups`` (pairmine mine) or ``negatives`` (pairmine negatives).
 
     Returns:
-        (filesystem, part paths sorted, run folder).
+        (part paths sorted, run folder), both absolute (local) or with the URL's protocol.
 
     Raises:
         FileNotFoundError: the folder does not exist. InputError: no _SUCCESS marker (the run is incomplete) or no
@@ -121,28 +121,28 @@ def find_group_parts(groups: str, storage=None, folder: str = "groups") -> tuple
     from pairmine.operators.storage import LOCAL
 
     storage = storage or LOCAL
-    fs, root = storage.fs(groups.rstrip("/"))
     info = storage.info(groups.rstrip("/"))
     if info is None:
         raise FileNotFoundError(f"groups {groups} does not exist")
     job = "pairmine mine" if folder == "groups" else f"pairmine {folder}"
     if info.get("type") != "directory":
         raise InputError(f"{folder} {groups} is a file; give the run folder of {job} (with {folder}/ and _SUCCESS)")
-    run = root if storage.retry("list", groups, lambda: fs.exists(f"{root}/{folder}")) else root.rsplit("/", 1)[0]
-    if not storage.retry("list", groups, lambda: fs.exists(f"{run}/{SUCCESS_MARKER}")):
+    root = storage.absolute(groups.rstrip("/"))
+    run = root if storage.exists(f"{root}/{folder}") else root.rsplit("/", 1)[0]
+    if not storage.exists(f"{run}/{SUCCESS_MARKER}"):
         raise InputError(f"{folder} {groups}: no {SUCCESS_MARKER} marker in {run}, so the run is not complete "
                          f"(or this is not a {job} run folder)")
-    parts = sorted(p for p in storage.retry("list", groups, lambda: fs.find(f"{run}/{folder}")) if p.endswith(".parquet"))
+    parts = [p for p in storage.find(f"{run}/{folder}") if p.endswith(".parquet")]
     if not parts:
         raise InputError(f"{folder} {groups}: {run}/{folder} holds no parquet part")
-    return fs, parts, run
+    return parts, run
 
 
 NEGATIVES_COLUMNS = {"doc_id": "string", "query": "string", "positive": "string", "negatives": "list<string>",
                      "negative_teacher_scores": "list<float>", "positive_teacher_score": "float"}
 
 
-def check_negative_parts(fs, parts: list[str], hard_negatives: int) -> tuple[int, int, bool]:
+def check_negative_parts(storage, parts: list[str], hard_negatives: int) -> tuple[int, int, bool]:
     """Check a negatives run's parts and count its pairs (reads the small ``negative_ranks`` and teacher columns).
 
     Returns:
@@ -154,17 +154,19 @@ def check_negative_parts(fs, parts: list[str], hard_negatives: int) -> tuple[int
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    def read(f, path):
+        pf = pq.ParquetFile(f)
+        names = pf.schema_arrow.names
+        for name, typ in NEGATIVES_COLUMNS.items():
+            if name not in names or _type_name(pf.schema_arrow.field(name).type) != typ:
+                raise InputError(f"negatives part {path}: no column {name!r} of type {typ}: not a pairmine "
+                                 f"negatives file (columns: {', '.join(names)})")
+        return pf.read(columns=["negative_ranks", "positive_teacher_score"])
+
     total, usable, teacher = 0, 0, True
     for path in parts:
         try:
-            with fs.open(path, "rb") as f:
-                pf = pq.ParquetFile(f)
-                names = pf.schema_arrow.names
-                for name, typ in NEGATIVES_COLUMNS.items():
-                    if name not in names or _type_name(pf.schema_arrow.field(name).type) != typ:
-                        raise InputError(f"negatives part {path}: no column {name!r} of type {typ}: not a pairmine "
-                                         f"negatives file (columns: {', '.join(names)})")
-                t = pf.read(columns=["negative_ranks", "positive_teacher_score"])
+            t = storage.read_with(path, lambda f, path=path: read(f, path))
         except InputError:
             raise
         except Exception as e:  # pyarrow raises ArrowInvalid/OSError for corrupt files
@@ -178,7 +180,7 @@ def check_negative_parts(fs, parts: list[str], hard_negatives: int) -> tuple[int
     return total, usable, teacher and usable > 0
 
 
-def check_group_parts(fs, parts: list[str]) -> tuple[int, int]:
+def check_group_parts(storage, parts: list[str]) -> tuple[int, int]:
     """Check every part's schema and count the groups (parquet footers only).
 
     Returns:
@@ -189,22 +191,25 @@ def check_group_parts(fs, parts: list[str]) -> tuple[int, int]:
     """
     import pyarrow.parquet as pq
 
+    def read(f, path, n_related):
+        pf = pq.ParquetFile(f)
+        schema, rows = pf.schema_arrow, pf.metadata.num_rows
+        for name, typ in REQUIRED_COLUMNS.items():
+            if name not in schema.names:
+                raise InputError(f"groups part {path} has no column {name!r}: not a pairmine groups file "
+                                 f"(columns: {', '.join(schema.names)})")
+            if _type_name(schema.field(name).type) != typ:
+                raise InputError(f"groups part {path}: column {name!r} is {_type_name(schema.field(name).type)}, "
+                                 f"expected {typ}")
+        if rows and not n_related:
+            first = pf.read_row_group(0, columns=["related_texts"]).column(0)
+            n_related = len(first[0].as_py())
+        return rows, n_related
+
     total, n_related = 0, 0
     for path in parts:
         try:
-            with fs.open(path, "rb") as f:
-                pf = pq.ParquetFile(f)
-                schema, rows = pf.schema_arrow, pf.metadata.num_rows
-                for name, typ in REQUIRED_COLUMNS.items():
-                    if name not in schema.names:
-                        raise InputError(f"groups part {path} has no column {name!r}: not a pairmine groups file "
-                                         f"(columns: {', '.join(schema.names)})")
-                    if _type_name(schema.field(name).type) != typ:
-                        raise InputError(f"groups part {path}: column {name!r} is {_type_name(schema.field(name).type)}, "
-                                         f"expected {typ}")
-                if rows and not n_related:
-                    first = pf.read_row_group(0, columns=["related_texts"]).column(0)
-                    n_related = len(first[0].as_py())
+            rows, n_related = storage.read_with(path, lambda f, path=path, n=n_related: read(f, path, n))
         except InputError:
             raise
         except Exception as e:  # pyarrow raises ArrowInvalid/OSError for corrupt files
@@ -289,8 +294,7 @@ class MetricsLog:
         line = json.dumps(record)
         self.lines.append(line)
         if self.local:
-            with open(self.path, "a") as f:
-                f.write(line + "\n")
+            self.storage.append(self.path, (line + "\n").encode("utf-8"))
 
     def flush(self) -> None:
         self.storage.write_bytes(self.path, "".join(ln + "\n" for ln in self.lines).encode("utf-8"))
@@ -485,7 +489,7 @@ def _export(model, tokenizer, output: str, description: dict, max_length: int, s
     return target
 
 
-def export_description(cfg: TrainConfig, fs_in, run_dir: str):
+def export_description(cfg: TrainConfig, storage, run_dir: str):
     """The :class:`pipeline.model_description.ModelDescription` the export carries: the starting encoder's
     prefixes (as training used them) and anchor threshold; for a starting encoder with no known threshold, the one
     the groups were mined with (their run's ``stats.json``)."""
@@ -496,8 +500,7 @@ def export_description(cfg: TrainConfig, fs_in, run_dir: str):
     threshold, source = base.anchor_threshold, base.threshold_source or base.source
     if threshold is None:
         try:
-            with fs_in.open(f"{run_dir}/stats.json") as f:
-                threshold = float(json.load(f)["anchor_threshold"])
+            threshold = float(json.loads(storage.read_bytes(f"{run_dir}/stats.json"))["anchor_threshold"])
             source = f"the threshold its training groups were mined with ({run_dir}/stats.json)"
         except (OSError, KeyError, TypeError, ValueError):
             source = "unknown: run pairmine calibrate with this model"
@@ -848,17 +851,25 @@ def check_train_model(cfg: TrainConfig) -> None:
         raise ConfigError(f"train.model = {cfg.train.model!r} cannot be loaded: {str(e).splitlines()[0]}") from None
 
 
-def storage_args(output: str, endpoint: str = "") -> dict:
+def storage_args(output: str, storage=None) -> dict:
     """Ray Train's storage for ``output``: the path itself, or for ``s3://`` with an endpoint (``storage.endpoint_url``,
-    else ``$AWS_ENDPOINT_URL``: an S3-compatible server), a pyarrow S3FileSystem with that endpoint and the bucket
-    path (pyarrow does not read the variable itself; s3fs, used for everything else, does)."""
-    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
+    else ``$AWS_ENDPOINT_URL``: an S3-compatible server), a pyarrow S3FileSystem with that endpoint, ``[storage]``'s
+    region and credentials when set there (else the AWS environment's), and the bucket path (pyarrow does not read
+    the variable itself; s3fs, used for everything else, does)."""
+    from pairmine.operators.storage import LOCAL
+
+    storage = storage or LOCAL
+    endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
     if not output.startswith("s3://") or not endpoint:
         return {"storage_path": output}
     import pyarrow.fs
 
     scheme = "http" if endpoint.startswith("http://") else "https"
-    fs = pyarrow.fs.S3FileSystem(endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme)
+    options = {"region": storage.region} if storage.region else {}
+    if storage.access_key_id:
+        options.update(access_key=storage.access_key_id, secret_key=storage.secret_access_key,
+                       session_token=storage.session_token or None)
+    fs = pyarrow.fs.S3FileSystem(endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme, **options)
     return {"storage_path": output[len("s3://"):], "storage_filesystem": fs}
 
 
@@ -894,20 +905,20 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
                           "positives")
     if negatives:
         groups = negatives
-        fs_in, parts, run_dir = find_group_parts(negatives, storage, folder="negatives")
-        n_pairs, n_groups, teacher = check_negative_parts(fs_in, parts, cfg.distill.hard_negatives)
+        parts, run_dir = find_group_parts(negatives, storage, folder="negatives")
+        n_pairs, n_groups, teacher = check_negative_parts(storage, parts, cfg.distill.hard_negatives)
         left_out, n_related = n_pairs - n_groups, cfg.distill.hard_negatives
         log.info("negatives run %s: %d pairs, %d with at least %d negatives (%d left out), teacher scores: %s; "
                  "L = %g InfoNCE + %g KL, tau %g", run_dir, n_pairs, n_groups, n_related, left_out,
                  "yes" if teacher else "no (InfoNCE only)", cfg.distill.alpha if teacher else 1.0,
                  1 - cfg.distill.alpha if teacher else 0.0, cfg.distill.tau)
     else:
-        fs_in, parts, run_dir = find_group_parts(groups, storage)
-        n_groups, n_related = check_group_parts(fs_in, parts)
+        parts, run_dir = find_group_parts(groups, storage)
+        n_groups, n_related = check_group_parts(storage, parts)
         if n_related < 1:
             raise InputError(f"groups {groups}: the groups have no related passages")
     check_train_model(cfg)
-    description = export_description(cfg, fs_in, run_dir)
+    description = export_description(cfg, storage, run_dir)
     per_epoch, trained_per_epoch, left_per_epoch = epoch_accounting(n_groups, cfg.train.batch_size)
     if per_epoch < 1:
         raise InputError(f"groups {groups}: {n_groups} groups are too few for one batch of train.batch_size = "
@@ -935,12 +946,12 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
              "out), %d worker(s) on %s; Ray %s", n_groups, what, run_dir, total, cfg.train.batch_size, per_epoch,
              trained_per_epoch, left_per_epoch, workers, "GPU (nccl)" if use_gpu else "CPU (gloo)", where)
 
-    url = fs_in.unstrip_protocol if "://" in groups else (lambda p: p)
     columns = list(REQUIRED_COLUMNS) if not negatives else (
         ["doc_id", "query", "positive", "negatives"]
         + (["positive_teacher_score", "negative_teacher_scores"] if teacher else []))
-    ds = ray.data.read_parquet(parts if "://" in groups else [url(p) for p in parts], columns=columns,
-                               **({"filesystem": fs_in} if "://" in groups else {}))
+    # Ray Data reads the parts itself (its own retries), through [storage]'s filesystem.
+    fs_in, _ = storage.arrow_filesystem(run_dir)
+    ds = ray.data.read_parquet([storage.arrow_filesystem(p)[1] for p in parts], columns=columns, filesystem=fs_in)
     if negatives:
         h = cfg.distill.hard_negatives
         ds = ds.filter(lambda row: row["negatives"] is not None and len(row["negatives"]) >= h)
@@ -948,8 +959,7 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
         from pairmine.pipeline.positives import with_random_positives
 
         try:
-            with fs_in.open(f"{run_dir}/manifest.json") as f:
-                run_manifest = json.load(f)
+            run_manifest = json.loads(storage.read_bytes(f"{run_dir}/manifest.json"))
         except (OSError, ValueError) as e:
             raise InputError(f"groups {groups}: random positives need the run's manifest.json ({e})") from None
         ds = with_random_positives(ds, run_manifest, storage, cfg.train.seed, max(1, min(64, len(parts))))
@@ -967,7 +977,7 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
     manifest = {
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "config": cfg.to_dict(),
-        "groups": {"path": groups, "run": url(run_dir), "parts": len(parts), "groups": n_groups, "related": n_related,
+        "groups": {"path": groups, "run": run_dir, "parts": len(parts), "groups": n_groups, "related": n_related,
                    "groups_per_epoch_trained": trained_per_epoch, "groups_per_epoch_left_out": left_per_epoch},
         "objective": "negatives" if negatives else "xprt",
         **({"negatives": {"pairs_left_out": left_out, "hard_negatives": cfg.distill.hard_negatives,
@@ -999,7 +1009,7 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=ray.train.RunConfig(
-            **storage_args(output, cfg.storage.endpoint_url), name=cfg.checkpoint.name,
+            **storage_args(output, storage), name=cfg.checkpoint.name,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
         ),

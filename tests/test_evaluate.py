@@ -164,6 +164,41 @@ def test_cli_eval_with_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert summary["query_prefix"] == "query: " and summary["passage_prefix"] == ""
 
 
+def test_eval_and_compare_read_and_write_s3_with_the_endpoint_only_in_storage(tiny_model_dir, s3_server, tmp_path,
+                                                                              capsys):
+    """The BEIR folder, the STS file and both outputs on the test S3 server, reached through [storage] (the
+    environment has no AWS_ENDPOINT_URL); the model folder stays local. Same scores as the local run."""
+    import time
+
+    from tests.conftest import Out
+
+    local = write_beir(tmp_path / "b", [f'{{"_id": "d{i}", "text": "document number {i} about topic {i % 3}"}}'
+                                        for i in range(30)],
+                       ['{"_id": "q1", "text": "topic 1"}', '{"_id": "q2", "text": "number 7"}'], "q1\td1\t1\nq2\td7\t2\n")
+    sts = tmp_path / "sts.csv"
+    sts.write_text("g\tf\t2012\t1\t2.5\tA girl.\tA girl runs.\ng\tf\t2012\t2\t4.0\tOne.\tTwo.\n"
+                   "g\tf\t2012\t3\t1.0\tRockets.\tCooking.\n")
+    o = Out(f"s3://pairmine-test/eval-{time.time_ns()}", s3_server.endpoint)
+    for f in [*local.rglob("*"), sts]:
+        if f.is_file():
+            o.storage.write_bytes(o.path("data", str(f.relative_to(tmp_path))), f.read_bytes())
+    config = tmp_path / "s3.toml"
+    config.write_text(f'[storage]\nendpoint_url = "{s3_server.endpoint}"\n')
+    common = ["--model", tiny_model_dir, "--config", str(config), "--set", "embed.batch_size=4"]
+    assert main(["eval", "--beir", o.path("data", "b"), "--sts", o.path("data", "sts.csv"), "--output", o.path("ev"),
+                 *common]) == 0
+    assert main(["eval", "--beir", str(local), "--sts", str(sts), "--output", str(tmp_path / "ev"), *common]) == 0
+    on_s3, here = o.json("ev", "summary.json"), json.loads((tmp_path / "ev" / "summary.json").read_text())
+    assert on_s3["retrieval"]["dataset"] == o.path("data", "b") and on_s3["sts"]["file"] == o.path("data", "sts.csv")
+    assert on_s3["retrieval"]["mean"] == here["retrieval"]["mean"] and on_s3["sts"]["pairs"] == 3
+    assert on_s3["retrieval"]["fingerprint"] == here["retrieval"]["fingerprint"]
+    capsys.readouterr()
+    assert main(["compare", o.path("ev"), str(tmp_path / "ev"), "--resamples", "200", "--config", str(config),
+                 "--output", o.path("cmp.json")]) == 0
+    assert "identical on all 2 queries" in capsys.readouterr().out
+    assert o.json("cmp.json")["queries_common"] == 2
+
+
 def test_default_model_on_fiqa_and_sts_benchmark(tmp_path):
     """all-MiniLM-L6-v2 (the default model) on fiqa-pairs-beir (500 queries, 1,236 usable passages) and STS-B test
     (1,379 pairs). Measured on 2 cores (bf16 autocast): nDCG@10 0.7129, Recall@100 0.9533, MRR@10 0.7598,

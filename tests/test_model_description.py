@@ -10,7 +10,6 @@ import re
 import shutil
 from types import SimpleNamespace
 
-import fsspec
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -91,11 +90,12 @@ def default_export(tmp_path_factory) -> str:
     from transformers import AutoModel, AutoTokenizer
 
     from pairmine.operators.embed import default_model_path
+    from pairmine.operators.storage import LOCAL
     from pairmine.pipeline.train import _export, export_description
     from pairmine.pipeline.train_config import load_train_config
 
     out = tmp_path_factory.mktemp("default-train")
-    description = export_description(load_train_config(), fsspec.filesystem("file"), str(out / "no-run"))
+    description = export_description(load_train_config(), LOCAL, str(out / "no-run"))
     assert description.anchor_threshold == 0.675 and description.base_model == "sentence-transformers/all-MiniLM-L6-v2"
     model = SimpleNamespace(encoder=AutoModel.from_pretrained(default_model_path()))
     _export(model, AutoTokenizer.from_pretrained(default_model_path()), str(out), description.to_json(), 256)

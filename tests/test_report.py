@@ -3,8 +3,11 @@ passages never used (re-chunked and re-embedded from the run's input), bad runs,
 
 import html
 import json
+import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -84,6 +87,42 @@ def test_bad_run_folders(tmp_path, capsys):
     assert main(["report", str(tmp_path / "half")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pairmine: error:") and "Traceback" not in err
+
+
+def test_report_on_an_s3_run_with_the_endpoint_only_in_storage(tiny_run, s3_server, tmp_path):
+    """`pairmine report s3://...` on the tiny run uploaded with its input: the endpoint only in the config file's
+    [storage] (AWS_ENDPOINT_URL unset), the run, its input and the page all on S3."""
+    from tests.conftest import S3_SECRET, Out
+
+    run, _ = tiny_run
+    o = Out(f"s3://pairmine-test/report-{time.time_ns()}", s3_server.endpoint)
+    for f in run.rglob("*"):  # the committed run as-is (a report an earlier test wrote into it left out)
+        rel = f.relative_to(run)
+        if f.is_file() and rel.parts[0] != "report":
+            o.storage.write_bytes(o.path("runs", "tiny", *rel.parts), f.read_bytes())
+    manifest = json.loads((run / "manifest.json").read_text())
+    shard = manifest["inputs"][0]
+    o.storage.write_bytes(o.path("input", "docs.parquet"), Path(shard["path"]).read_bytes())
+    shard["path"] = o.path("input", "docs.parquet")  # the input too is read again from S3
+    o.storage.write_bytes(o.path("runs", "tiny", "manifest.json"), json.dumps(manifest).encode())
+    config = tmp_path / "s3.toml"
+    config.write_text(f'[storage]\nendpoint_url = "{s3_server.endpoint}"\n')
+    env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+    proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "report", o.path("runs", "tiny"),
+                           "--config", str(config), "--examples", "2"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert S3_SECRET not in proc.stdout + proc.stderr
+    assert f"report: {o.path('runs', 'tiny', 'report', 'report.html')}" in proc.stdout
+    page = o.storage.read_bytes(o.path("runs", "tiny", "report", "report.html")).decode()
+    s = o.json("runs", "tiny", "stats.json")
+    assert f'groups (kept) / groups per document with groups</td><td class="n">{s["groups"]} / ' \
+           f'{s["groups_per_doc"]:.2f}</td>' in page
+    assert f"{s['passage_coverage_pct']:.1f}%" in page and o.path("runs", "tiny") in page
+    # Both sampled documents re-read from the S3 input, re-chunked and checked against the run's groups.
+    assert page.count("anchor and related texts identical to the run&#x27;s") == 2, page[-4000:]
+    for name in PLOTS:
+        assert o.storage.read_bytes(o.path("runs", "tiny", "report", name))[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None and shutil.which("chromium-browser") is None,
