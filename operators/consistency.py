@@ -55,7 +55,8 @@ def consistency_counts(
         anchor_docs: (G,) int64 document hashes of the groups (:func:`doc_hash`).
         pool_docs: (P,) int64 document hashes of the pool passages; pool passages of the group's own document are
             never counted.
-        chunk_mb: memory for one chunk's (G, C) fp32 score matrix, in MB (C >= 256 pool rows).
+        chunk_mb: memory for one chunk's (G, C) fp32 score matrix, in MB (256 <= C <= 2**22 pool rows); rows with
+            a pool score near or above s take up to two more buffers of that size.
 
     Returns:
         (s, n_above): (G,) float32 cos(a, s1) (computed in float64, rounded once to float32; a dot product, so a
@@ -88,7 +89,7 @@ def consistency_counts(
     pool_docs = np.asarray(pool_docs, dtype=np.int64)
     a64, s1_64 = a32.astype(np.float64), s1_32.astype(np.float64)  # products of two float32 are exact in float64
     s64 = (a64 * s1_64).sum(axis=1)  # (G,) within _gamma(dim, 2**-53) * sum|a s1| of the exact a . s1
-    chunk = max(256, int(chunk_mb * 1024 * 1024 / 4 / g))
+    chunk = min(max(256, int(chunk_mb * 1024 * 1024 / 4 / g)), 1 << 22)  # float sums of 0/1 exact below 2**24
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would round the scores to ~1e-3: full fp32 for the comparison
     try:
@@ -130,27 +131,37 @@ def _count(a, a64, s1_64, s64, pool_t, anchor_docs, pool_docs, chunk):
     pair_i, pair_j = _same_doc_pairs(anchor_docs, pool_docs)
     n_above = torch.zeros(g, dtype=torch.int64, device=device)
     close_i, close_j = [], []
-    buf = torch.empty((g, min(chunk, len(pool_t))), dtype=torch.float32, device=device)
+    width = min(chunk, len(pool_t))
+    buf = torch.empty((g, width), dtype=torch.float32, device=device)
+    flags = None  # two (G, C) fp32 0/1 buffers for the rows that need the compare (made on first use)
     all_rows = torch.arange(g, device=device)
+    norm_margin = 1 + _gamma(dim + 4, 2.0**-24)  # fp32 norm -> an upper bound on the exact norm
     with torch.inference_mode():
         for start in range(0, len(pool_t), chunk):
             block = pool_t[start : start + chunk].float()  # (C, dim): fp16 storage widens exactly
             c = len(block)
-            p_max = float(torch.linalg.vector_norm(block, dim=1, dtype=torch.float64).amax()) * (1 + 1e-12)
+            p_max = float(torch.linalg.vector_norm(block, dim=1).amax()) * norm_margin
             tol = _gamma(dim, 2.0**-24) * a_norm * p_max * (1 + 1e-6) + s_err * 2
             hi = torch.from_numpy(np.nextafter((s64 + tol).astype(np.float32), np.float32(np.inf))).to(device)
             lo = torch.from_numpy(np.nextafter((s64 - tol).astype(np.float32), np.float32(-np.inf))).to(device)
-            scores = torch.mm(a, block.T, out=buf) if c == buf.shape[1] else a @ block.T  # (G, C)
+            scores = torch.mm(a, block.T, out=buf) if c == width else a @ block.T  # (G, C)
             # Most rows have no pool passage anywhere near s: one max per row (a read, no write) clears them.
             hot = torch.nonzero(scores.amax(dim=1) > lo).flatten()
             if len(hot) == 0:
                 continue
             rows, sub = (all_rows, scores) if 2 * len(hot) > g else (hot, scores.index_select(0, hot))
-            above = sub > hi[rows, None]  # (H, C)
-            n_above.index_add_(0, rows, above.sum(dim=1))
-            bi, bj = torch.nonzero((sub > lo[rows, None]) & ~above, as_tuple=True)  # within tol of s: settle later
-            if len(bi):
-                close_i.append(rows[bi].cpu().numpy())
+            if flags is None:
+                flags = torch.empty((2, g * width), dtype=torch.float32, device=device)
+            h = len(rows)
+            above, near = flags[0, : h * c].view(h, c), flags[1, : h * c].view(h, c)
+            # Compares written as fp32 0/1 and summed as floats (exact below 2**24): twice as fast on CPU as bools.
+            n_hi = torch.gt(sub, hi[rows, None], out=above).sum(dim=1)  # certainly above s
+            n_lo = torch.gt(sub, lo[rows, None], out=near).sum(dim=1)  # above s - tol
+            n_above.index_add_(0, rows, n_hi.to(torch.int64))
+            band = torch.nonzero(n_lo > n_hi).flatten()  # rows with a score within tol of s: rare
+            if len(band):
+                bi, bj = torch.nonzero(near.index_select(0, band).sub_(above.index_select(0, band)), as_tuple=True)
+                close_i.append(rows[band[bi]].cpu().numpy())
                 close_j.append(bj.cpu().numpy() + start)
             lo_pair, hi_pair = np.searchsorted(pair_j, [start, start + c])
             if hi_pair > lo_pair:  # the group's own document: take back what was counted
