@@ -119,7 +119,7 @@ class GroupWriter:
         docs = batch.select(
             ["shard_index", "row_index", "id", "url", "skip_reason", "text_repaired", "passages", "centrality", "groups",
              "no_group_reason", "n_short_passages", "n_duplicate_passages", "n_truncated_passages"]
-            + [c for c in ("n_token_truncated", "n_vector_reused") if c in batch.column_names]
+            + [c for c in ("n_token_split_passages", "n_token_truncated", "n_vector_reused") if c in batch.column_names]
         ).to_pylist()
         for d in docs:
             c = per_shard.setdefault(d["shard_index"], _ShardCounts())
@@ -135,6 +135,7 @@ class GroupWriter:
             stats["passages_duplicate_dropped"] += d["n_duplicate_passages"]  # repeats inside the document
             stats["passages_truncated"] += d["n_truncated_passages"]
             stats["docs_truncated"] += d["n_truncated_passages"] > 0
+            stats["passages_token_split"] += d.get("n_token_split_passages") or 0  # cut again to fit the model
             stats["passages_token_truncated"] += d.get("n_token_truncated") or 0
             stats["passages_vector_reused"] += d.get("n_vector_reused") or 0  # from the consistency pool's pass
             stats["anchors"] += int(np.count_nonzero(np.asarray(cent) >= self.threshold))

@@ -114,7 +114,7 @@ def embed_documents(texts: list[str], cfg, embedder=None) -> list[EmbeddedDoc]:
     from pairmine.pipeline.evaluate import make_embedder
 
     c, r = cfg.chunk, cfg.related
-    chunked = [chunk_text(t, c.max_words, c.min_words, c.max_passages).passages for t in texts]
+    chunked = [chunk_text(t, c.max_words, c.min_words, c.max_passages, cfg.token_limit()).passages for t in texts]
     flat = [p for doc in chunked for p in doc]
     try:
         tfidf = fit_tfidf(flat, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)

@@ -65,6 +65,7 @@ class ChunkConfig:
     max_words: int = _f(120, "most words per passage (whitespace-separated; a CJK character counts 0.8, Hangul 1.4, Thai/Lao/Khmer/Myanmar 0.15: operators/chunk.py); whole sentences are packed (Revela's 120, seed 001)")
     min_words: int = _f(5, "passages with fewer words are dropped and counted")
     max_passages: int = _f(256, "passages kept per document; the rest are counted as truncated")
+    fit_model_length: bool = _f(True, "a passage with more than embed.max_length tokens of the model's tokenizer (prefix and special tokens included) is cut again at sentence, then word, then character boundaries, so the model sees all of it (counted: passages_token_split)")
 
 
 @dataclass
@@ -256,6 +257,16 @@ class MineConfig(Sections):
         d = self.model_description()
         return f"{d.threshold_source} ({d.source})" if d.threshold_source else d.source
 
+    def token_limit(self):
+        """The :class:`operators.chunk.TokenLimit` every chunking of this config uses (the embedding model's
+        tokenizer, ``embed.max_length`` and the resolved passage prefix), or None when ``chunk.fit_model_length`` is
+        off."""
+        from pairmine.operators.chunk import TokenLimit
+
+        if not self.chunk.fit_model_length:
+            return None
+        return TokenLimit(self.embed.model, self.embed.max_length, self.resolved_prefix(), self.embed.trust_remote_code)
+
     def storage_layer(self):
         """The :class:`operators.storage.Storage` of this config (endpoint, credentials, retry policy)."""
         return storage_of(self.storage)
@@ -432,3 +443,21 @@ def apply_file_and_overrides(cfg: Sections, path: str | Path | None, overrides: 
         key, value = item.split("=", 1)
         cfg.set(key.strip(), value)
     return cfg
+
+
+def run_token_limit(manifest: dict):
+    """The :class:`operators.chunk.TokenLimit` a committed mine run chunked with, from its ``manifest.json``
+    (``config.chunk.fit_model_length``, ``config.embed`` and ``resolved.passage_prefix``), so that re-chunking its
+    input (random positives, a negatives corpus, the report) gives the passages it mined. None when the run did not
+    fit passages to the model (off, or mined before ``chunk.fit_model_length`` existed)."""
+    from pairmine.operators.chunk import TokenLimit
+
+    config = manifest.get("config") or {}
+    chunk, embed = config.get("chunk") or {}, config.get("embed") or {}
+    if not chunk.get("fit_model_length", False):
+        return None
+    prefix = (manifest.get("resolved") or {}).get("passage_prefix")
+    if prefix is None:
+        prefix = embed.get("passage_prefix") or ""
+    return TokenLimit(embed.get("model") or "", int(embed.get("max_length", 256)), prefix,
+                      bool(embed.get("trust_remote_code", False)))

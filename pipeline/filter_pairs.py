@@ -177,7 +177,7 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         candidates, pool_source = [cands for _, cands in plans], "the input pairs' passages"
     else:
         spec = PoolSpec(c.pool_size, c.seed, 1.0, 0, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages,
-                        hash_by="text")
+                        hash_by="text", token_limit=cfg.token_limit())
         candidates = run_remote(shard_pool, [(s, cfg.input.text_column, cfg.input.id_column, spec, storage)
                                              for s in pool_shards])
         pool_source = c.pool_path

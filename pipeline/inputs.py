@@ -54,7 +54,8 @@ class PoolSpec:
         seed: pool seed: same seed and input, same pool.
         doc_cut: documents whose pool priority is below this are chunked into candidates.
         known_rows: rows of the input known from parquet footers (0: unknown), to size each shard's share.
-        max_words, min_words, max_passages: the chunking of the run (pool passages are chunked like all others).
+        max_words, min_words, max_passages, token_limit: the chunking of the run (pool passages are chunked like
+            all others; ``operators.chunk.chunk_text``).
         hash_by: "doc" (a pool passage is known by its document id: mine excludes the group's own document) or
             "text" (by its own text: filter-pairs excludes pool passages equal to the pair's passage).
     """
@@ -67,6 +68,7 @@ class PoolSpec:
     min_words: int = 5
     max_passages: int = 256
     hash_by: str = "doc"
+    token_limit: object = None  # operators.chunk.TokenLimit | None
 
 
 @dataclass
@@ -335,7 +337,7 @@ def _pool_candidates(piece: list[int], ids: pa.Array, texts: pa.Array, reasons: 
     candidates = []
     for row, text, doc_id in zip(rows.tolist(), texts.take(pa.array(rows, pa.int64())).to_pylist(),
                                  ids.take(pa.array(rows, pa.int64())).to_pylist()):
-        passages = chunk_text(text, spec.max_words, spec.min_words, spec.max_passages).passages
+        passages = chunk_text(text, spec.max_words, spec.min_words, spec.max_passages, spec.token_limit).passages
         for p, priority in zip(passages, rng.random(len(passages)).tolist()):
             candidates.append((priority, doc_hash(p if spec.hash_by == "text" else doc_id), p))
     candidates.sort(key=lambda c: c[0])

@@ -129,7 +129,7 @@ def _make_read(cfg: MineConfig):
 def _make_chunk(cfg: MineConfig):
     from pairmine.operators.chunk import Chunker
 
-    return Chunker(cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages)
+    return Chunker(cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages, cfg.token_limit())
 
 
 def _make_embed(cfg: MineConfig, threads: int, device: str, known_refs=None):
@@ -446,6 +446,7 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
         "passages_short_dropped": int(total["passages_short_dropped"]),
         "passages_duplicate_dropped": int(total["passages_duplicate_dropped"]),
         "passages_truncated": int(total["passages_truncated"]),
+        "passages_token_split": int(total["passages_token_split"]),
         "passages_token_truncated": int(total["passages_token_truncated"]),
         "passages_vector_reused": int(total["passages_vector_reused"]),
         "anchors": int(total["anchors"]),
@@ -593,7 +594,8 @@ def mine(cfg: MineConfig) -> MineResult:
         storage.rm(staging)  # leftovers of an attempt killed before its plan was written
     cut = sample_cut(cfg.tfidf.sample_docs, known_rows)
     pool_spec = PoolSpec(c.pool_size, c.seed, sample_cut(c.pool_size, known_rows), known_rows, cfg.chunk.max_words,
-                         cfg.chunk.min_words, cfg.chunk.max_passages) if c.enabled else None
+                         cfg.chunk.min_words, cfg.chunk.max_passages, token_limit=cfg.token_limit()
+                         ) if c.enabled else None
     first = first_pass(shards, layout, ScanParams(cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs,
                                                   cfg.tfidf.seed, cut, pool_spec, storage,
                                                   cfg.input.skip_duplicate_texts), f"{staging}/duplicates")
@@ -606,7 +608,8 @@ def mine(cfg: MineConfig) -> MineResult:
 
     sample_passages = [
         p for text in first.sample
-        for p in chunk_text(text, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages).passages
+        for p in chunk_text(text, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages,
+                            cfg.token_limit()).passages
     ]
     try:
         tfidf = fit_tfidf(sample_passages, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)
@@ -771,7 +774,8 @@ def mine(cfg: MineConfig) -> MineResult:
         log.info("stage figures: %s", line)
     if stats["passages_token_truncated"]:
         log.warning("%d of %d passages were longer than embed.max_length = %d tokens: the model saw only their start "
-                    "(passages_token_truncated in stats.json); lower chunk.max_words or raise embed.max_length",
+                    "(passages_token_truncated in stats.json); set chunk.fit_model_length=true, lower "
+                    "chunk.max_words or raise embed.max_length",
                     stats["passages_token_truncated"], stats["passages"], cfg.embed.max_length)
     return MineResult(run_dir=run_dir, stats=stats)
 

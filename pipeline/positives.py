@@ -154,14 +154,14 @@ def input_units(inputs: list[dict], storage) -> list[dict]:
 class _DocumentPassages:
     """Read + chunk over a batch of work units -> :data:`ROW_SCHEMA` document rows (skipped documents dropped)."""
 
-    def __init__(self, input_cfg: dict, chunk_cfg: dict, storage):
+    def __init__(self, input_cfg: dict, chunk_cfg: dict, token_limit, storage):
         from pairmine.operators.chunk import Chunker
         from pairmine.operators.read import ReadDocuments
 
         self.read = ReadDocuments(input_cfg.get("text_column", "text"), input_cfg.get("id_column", "id"),
                                   input_cfg.get("url_column", "url"), storage)
         self.chunk = Chunker(chunk_cfg.get("max_words", 120), chunk_cfg.get("min_words", 5),
-                             chunk_cfg.get("max_passages", 256))
+                             chunk_cfg.get("max_passages", 256), token_limit)
 
     def __call__(self, units: pa.Table) -> pa.Table:
         docs = self.chunk(self.read(units))
@@ -198,13 +198,16 @@ def with_random_positives(groups_ds, manifest: dict, storage, seed: int, num_par
     """
     import ray.data
 
+    from pairmine.pipeline.config import run_token_limit
+
     inputs = manifest.get("inputs") or []
     check_inputs_unchanged(inputs, storage)
     config = manifest.get("config") or {}
     input_cfg, chunk_cfg = config.get("input") or {}, config.get("chunk") or {}
     units = input_units(inputs, storage)
     docs = ray.data.from_items(units, override_num_blocks=max(1, len(units))).map_batches(
-        _DocumentPassages(input_cfg, chunk_cfg, storage), batch_size=1, batch_format="pyarrow")
+        _DocumentPassages(input_cfg, chunk_cfg, run_token_limit(manifest), storage), batch_size=1,
+        batch_format="pyarrow")
     rows = groups_ds.map_batches(_group_rows, batch_format="pyarrow").union(docs)
     return rows.groupby("doc_id", num_partitions=num_partitions).map_groups(
         lambda b: draw_random_positives(b, seed), batch_format="pyarrow")

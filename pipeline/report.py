@@ -92,6 +92,8 @@ def _config(manifest: dict):
                 cfg.set(f"{section}.{key}", value)
     except ConfigError as e:
         raise EvalInputError(f"the run's manifest.json holds a config this pairmine cannot read: {e}") from None
+    if "fit_model_length" not in (manifest.get("config", {}).get("chunk") or {}):
+        cfg.chunk.fit_model_length = False  # mined before passages were fitted to the model: chunk as it did
     return cfg
 
 
@@ -296,7 +298,7 @@ def sample_documents(run: str | Path, manifest: dict, examples: int, seed: int, 
         if not isinstance(text, str):
             d["check"] = "document text not found in the run's input: groups only"
             continue
-        passages = chunk_text(text, c.max_words, c.min_words, c.max_passages).passages
+        passages = chunk_text(text, c.max_words, c.min_words, c.max_passages, cfg.token_limit()).passages
         ok = all(r["anchor_index"] < len(passages) and passages[r["anchor_index"]] == r["anchor_text"]
                  and all(j < len(passages) and passages[j] == t for j, t in zip(r["related_indices"], r["related_texts"]))
                  for r in d["rows"])
@@ -381,6 +383,8 @@ def _summary_rows(stats: dict, manifest: dict) -> list[tuple[str, str, str]]:
         ("documents whose invalid UTF-8 was replaced (U+FFFD)", str(stats.get("docs_text_repaired", 0)), ""),
         ("passages / anchors (anchor rate)",
          f"{stats.get('passages', 0)} / {stats.get('anchors', 0)} ({stats.get('anchor_rate_pct', 0):.1f}%)", ""),
+        ("passages cut again to fit embed.max_length tokens (chunk.fit_model_length)",
+         str(stats.get("passages_token_split", 0)), ""),
         ("passages cut to embed.max_length tokens (the model saw only their start)",
          str(stats.get("passages_token_truncated", 0)), ""),
         ("passages dropped: repeated inside their document / under chunk.min_words",

@@ -183,3 +183,66 @@ def test_repeated_paragraph_is_kept_once():
     zh = "".join(ZH[:15])
     c = chunk_text(f"{zh}\n{''.join(ZH[15:])}\n{zh}")
     assert len(c.passages) == 2 and c.n_duplicate == 1
+
+
+# Passages within the model's token limit (issue 14 item 4): the embedder's tokenizer (the default model's) counts.
+
+SENTENCES = ["The cat sat on the mat.", "A dog ran in the park.", "My hat is on the bed.", "We ate rice at the inn.",
+             "He saw a bird in a tree."]  # 9, 9, 9, 9, 10 tokens with [CLS] and [SEP]
+
+
+def test_passages_over_the_token_limit_are_cut_at_sentences():
+    from pairmine.operators.chunk import TokenLimit
+
+    text = " ".join(SENTENCES)  # 29 words: one passage by words
+    limit = TokenLimit("", 16, "")
+    assert limit.lengths(SENTENCES) == [9, 9, 9, 9, 10] and limit.lengths([" ".join(SENTENCES[:2])]) == [16]
+    c = chunk_text(text, min_words=1, token_limit=limit)
+    # 2 sentences = 14 tokens + 2 special = 16 fit; 3 do not: runs of two whole sentences.
+    assert c.passages == [" ".join(SENTENCES[:2]), " ".join(SENTENCES[2:4]), SENTENCES[4]]
+    assert c.words == [12, 12, 7] and c.n_token_split == 1
+    check_offsets(text, c)
+    # The prefix counts: "passage: " adds 2 tokens, so two sentences (18) no longer fit.
+    c = chunk_text(text, min_words=1, token_limit=TokenLimit("", 16, "passage: "))
+    assert c.passages == SENTENCES and c.n_token_split == 1
+    # Within the limit, nothing changes.
+    assert chunk_text(text, min_words=1, token_limit=TokenLimit("", 64, "")).passages == [text]
+    assert chunk_text(TEXT, token_limit=TokenLimit("", 256, "")) == chunk_text(TEXT)
+
+
+def test_a_sentence_over_the_limit_is_cut_at_words_and_a_word_at_characters():
+    from pairmine.operators.chunk import TokenLimit
+
+    words = ("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+             "seventeen eighteen nineteen twenty.")  # one sentence; every number word is one token, "twenty." two
+    c = chunk_text(words, min_words=1, token_limit=TokenLimit("", 8, ""))
+    assert c.passages == ["one two three four five six", "seven eight nine ten eleven twelve",
+                          "thirteen fourteen fifteen sixteen seventeen eighteen", "nineteen twenty."]
+    check_offsets(words, c)
+    # A single "word" of HTML-escaped CJK (the sample's longest passage is 2,786 tokens of these): cut between
+    # characters, each piece the longest that fits.
+    blob = "&#26085;&#26412;&#19981;&#21345;&#20813;&#36153;&#26032;&#19968;&#20108;&#19977;&#21306;"
+    limit = TokenLimit("", 32, "")
+    assert limit.lengths([blob]) == [59]
+    c = chunk_text(blob, min_words=1, token_limit=limit)
+    assert "".join(c.passages) == blob and len(c.passages) == 2
+    assert limit.lengths(c.passages) == [32, 29] and limit.lengths([blob[:c.ends[0] + 1]]) == [33]
+
+
+def test_the_sample_fits_the_default_model(sample_dir):
+    """All 827 sample documents with the default model's limit (256 tokens): the 57 passages of <= 120 words that
+    had more tokens (Arabic, Greek and Cyrillic pages, number lists, HTML-escaped CJK) are cut again, none is left
+    over the limit, and every other document is chunked exactly as by words alone."""
+    from pairmine.operators.chunk import TokenLimit
+
+    texts = [t for f in sorted(sample_dir.glob("*.parquet")) for t in pq.read_table(f, columns=["text"])["text"].to_pylist()]
+    limit = TokenLimit("", 256, "")
+    by_words = [chunk_text(t) for t in texts]
+    fitted = [chunk_text(t, token_limit=limit) for t in texts]
+    assert len(texts) == 827 and sum(c.n_token_split for c in fitted) == 57
+    assert sum(n > 256 for c in by_words for n in limit.lengths(c.passages)) == 57
+    assert max(n for c in fitted for n in limit.lengths(c.passages)) <= 256
+    assert sum(len(c.passages) for c in fitted) == 5216 and sum(c.n_short for c in fitted) == 17  # 5144 and 3 by words
+    assert all(a == b for a, b in zip(by_words, fitted) if b.n_token_split == 0)
+    for t, c in zip(texts, fitted):
+        check_offsets(t, c, words=False)

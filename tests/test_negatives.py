@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairmine.operators.chunk import chunk_text
+from pairmine.pipeline.config import run_token_limit
 from pairmine.operators.negatives import TeacherScores, select_negatives
 
 FIQA = Path(__file__).parent / "data" / "fiqa-pairs-beir"
@@ -117,11 +118,13 @@ def test_negatives_of_a_mine_run_with_a_teacher(tiny_run, tiny_teacher, teacher_
     # The tiny run's own input is the corpus, chunked as mined: map every passage to its documents.
     docs = pq.read_table(json.loads((run_dir / "manifest.json").read_text())["inputs"][0]["path"],
                          columns=["id", "text"]).to_pylist()
+    limit = run_token_limit(json.loads((run_dir / "manifest.json").read_text()))  # the tiny model's 256 tokens
+    assert limit is not None and limit.max_length == 256
     owners: dict[str, set] = {}
     for d in docs:
-        for p in chunk_text(d["text"]).passages:
+        for p in chunk_text(d["text"], token_limit=limit).passages:
             owners.setdefault(p, set()).add(d["id"])
-    assert stats["corpus_passages"] == sum(len(chunk_text(d["text"]).passages) for d in docs)
+    assert stats["corpus_passages"] == sum(len(chunk_text(d["text"], token_limit=limit).passages) for d in docs)
     by_group = {g["group_id"]: g for g in groups}
     for r in rows:
         g = by_group[r["pair_id"]]
@@ -179,7 +182,8 @@ def test_bad_input_is_one_line(tiny_run, tiny_model_dir, tmp_path):
     docs = pq.read_table(json.loads((run_dir / "manifest.json").read_text())["inputs"][0]["path"],
                          columns=["id", "text"])
     pq.write_table(docs.slice(0, 1), tmp_path / "one-doc.parquet")
-    n = len(chunk_text(docs.column("text")[0].as_py()).passages)
+    n = len(chunk_text(docs.column("text")[0].as_py(),
+                       token_limit=run_token_limit(json.loads((run_dir / "manifest.json").read_text()))).passages)
     proc = _cli("--input", str(run_dir), "--corpus", str(tmp_path / "one-doc.parquet"), "--output", str(tmp_path),
                 "--set", f"negatives.rank_start={n + 1}", "--set", f"negatives.rank_end={n + 1}")
     assert proc.returncode == 2 and f"has {n} usable passage(s), fewer than negatives.rank_start" in proc.stderr
@@ -212,6 +216,7 @@ def test_the_window_holds_fewer_judged_relevant_passages_than_the_top_of_the_lis
     pq.write_table(pa.Table.from_pylist([{"id": d["_id"], "text": d["text"]} for d in corpus]), tmp_path / "corpus.parquet")
     proc = _cli("--input", str(tmp_path / "pairs.parquet"), "--corpus", str(tmp_path / "corpus.parquet"),
                 "--output", str(tmp_path), "--run-id", "fiqa", "--set", "chunk.max_words=100000",
+                "--set", "chunk.fit_model_length=false",  # one passage per BEIR document, as BEIR scores them
                 "--set", "negatives.rank_start=1", "--set", "negatives.count=200")
     assert proc.returncode == 0, proc.stderr[-3000:]
     owner = {}

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pairmine.operators.chunk import chunk_text
-from pairmine.pipeline.config import load_config
+from pairmine.pipeline.config import load_config, run_token_limit
 from pairmine.pipeline.mine import mine
 from pairmine.pipeline.positives import ROW_SCHEMA, check_inputs_unchanged, draw_random_positives, with_random_positives
 from pairmine.pipeline.train import (
@@ -364,7 +364,9 @@ def test_random_positives_through_ray_data(tiny_groups):
     rows = with_random_positives(ds, manifest, LOCAL, seed=0, num_partitions=2).take_all()
     assert sorted(r["group_id"] for r in rows) == sorted(ds.unique("group_id"))  # one row per group, none lost
     docs = pq.read_table(tiny_groups.parent.parent / "docs.parquet", columns=["id", "text"]).to_pylist()
-    passages = {d["id"]: chunk_text(d["text"]).passages for d in docs}  # the default chunk settings, as mined
+    limit = run_token_limit(manifest)  # the tiny model's 256 tokens, as mined
+    assert limit is not None
+    passages = {d["id"]: chunk_text(d["text"], token_limit=limit).passages for d in docs}  # as mined
     held: dict[str, set[int]] = {}
     for r in rows:
         held.setdefault(r["doc_id"], set()).update([r["anchor_index"], *r["related_indices"]])
