@@ -142,6 +142,13 @@ class RayConfig:
                               "committed shards stay: the same --run-id resumes); 0: wait forever")
     target_block_mb: float = _f(1.0, "Ray Data block size target in MB; small blocks keep the stages streaming (progress, "
                                 "bounded memory) instead of waiting for whole row groups")
+    embed_cpus: float = _f(1.0, "CPUs reserved per embed actor (mine, filter-pairs, negatives); scaled down with the "
+                           "others when the cluster has fewer CPUs than the plan needs (the stage plan, "
+                           "pipeline/ray_adapter.py)")
+    task_cpus: float = _f(0.5, "CPUs reserved per light stage: read, chunk, centrality, related and write tasks, the "
+                          "consistency filter actor on CPU, the shard commits")
+    embed_gpu_share: float = _f(0.75, "on GPUs: share of a GPU per embed actor; the consistency filter actor (or a "
+                                "negatives search) takes the rest, so both pools fit one GPU")
 
 
 @dataclass
@@ -306,6 +313,9 @@ class MineConfig(Sections):
             ("ray.stall_limit_s", self.ray.stall_limit_s >= 0, ">= 0 (0: wait forever)"),
             ("ray.docs_per_batch", self.ray.docs_per_batch >= 1, ">= 1"),
             ("ray.target_block_mb", self.ray.target_block_mb > 0, "> 0"),
+            ("ray.embed_cpus", self.ray.embed_cpus > 0, "> 0"),
+            ("ray.task_cpus", self.ray.task_cpus > 0, "> 0"),
+            ("ray.embed_gpu_share", 0 < self.ray.embed_gpu_share < 1, "between 0 and 1 (exclusive)"),
         ]
         self.check(checks)
         return self

@@ -35,7 +35,7 @@ from pairmine.pipeline.mine import (
 )
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
 from pairmine.pipeline.ray_adapter import (
-    Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote, watched,
+    Stage, apply_stage, configure_data, init_ray, plan_for, run_remote, watched,
 )
 
 log = logging.getLogger("pairmine")
@@ -156,7 +156,7 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     check_model(cfg)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
-    stage_plan = plan_stages(cfg.embed.device, cfg.embed.num_actors, c.num_actors, True, cfg.embed.threads)
+    stage_plan = plan_for(cfg, c.num_actors)
     log.info("filter-pairs run %s -> %s: %d input shard(s); Ray %s", run_id, run_dir, len(shards), where)
     log.info("stage plan: %s", stage_plan.describe())
 

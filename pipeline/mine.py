@@ -36,7 +36,7 @@ from pairmine.pipeline.inputs import (
     PoolSpec, check_parquet_shards, content_sha256, discover_shards, is_multipart_etag, sample_cut,
 )
 from pairmine.pipeline.ray_adapter import (
-    Stage, apply_stage, configure_data, format_stage_figures, init_ray, plan_stages, stage_figures, watched,
+    Stage, apply_stage, configure_data, format_stage_figures, init_ray, plan_for, stage_figures, watched,
 )
 
 log = logging.getLogger("pairmine")
@@ -581,7 +581,7 @@ def mine(cfg: MineConfig) -> MineResult:
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
     c = cfg.consistency
-    stage_plan = plan_stages(cfg.embed.device, cfg.embed.num_actors, c.num_actors, c.enabled, cfg.embed.threads)
+    stage_plan = plan_for(cfg, c.num_actors, c.enabled)
     log.info("run %s -> %s: %d input shard(s) from %s; Ray %s", run_id, run_dir, len(shards),
              cfg.input.path or "the shipped sample", where)
     log.info("stage plan: %s", stage_plan.describe())
@@ -698,7 +698,8 @@ def mine(cfg: MineConfig) -> MineResult:
             len(todo), model_id(cfg), cfg.resolved_prefix(), threshold, cfg.threshold_source(), actors, device, threads,
         )
         records.update(_stream_and_commit(stages, todo, todo_units, rows_per_shard, run_dir, side_output, pool_size,
-                                          storage, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, stall_hint, figures))
+                                          storage, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, stall_hint, figures,
+                                          stage_plan.light_cpus))
 
     # ---- commit: stats, manifest, then the success marker, then the pointer to the newest run --------------------
     missing = [s.index for s in shards if s.index not in records]
@@ -782,13 +783,13 @@ def mine(cfg: MineConfig) -> MineResult:
 
 def _stream_and_commit(stages: list[Stage], todo: list, units: list[dict], rows_per_shard: dict[int, int],
                        run_dir: str, side_output: bool, pool_size: int | None, storage, stall_warn_s: float = 60.0,
-                       stall_limit_s: float = 1800.0, hint: str = "", figures_out: list | None = None
-                       ) -> dict[int, dict]:
+                       stall_limit_s: float = 1800.0, hint: str = "", figures_out: list | None = None,
+                       commit_cpus: float = 0.5) -> dict[int, dict]:
     """Stream the work units of the shards in ``todo`` through ``stages``, and commit each shard (a Ray task running
     :func:`commit_shard`) as soon as all of its documents have been written.
 
     ``figures_out``: when given, the pass's per-stage figures (:func:`pipeline.ray_adapter.stage_figures`) are
-    appended to it.
+    appended to it. ``commit_cpus``: CPUs per commit task (the stage plan's light share, ``ray.task_cpus``).
 
     Returns:
         The commit records of the shards in ``todo``, by shard index.
@@ -799,7 +800,7 @@ def _stream_and_commit(stages: list[Stage], todo: list, units: list[dict], rows_
     """
     import ray
 
-    commit = ray.remote(num_cpus=0.5, max_retries=2)(commit_shard)
+    commit = ray.remote(num_cpus=commit_cpus, max_retries=2)(commit_shard)
     per_shard: dict[int, list[dict]] = {s.index: [] for s in todo}  # one running sum per shard (bounded memory)
     seen = {s.index: 0 for s in todo}
     by_index = {s.index: s for s in todo}

@@ -38,7 +38,7 @@ from pairmine.pipeline.mine import (
     new_run_id, write_json,
 )
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
-from pairmine.pipeline.ray_adapter import Stage, apply_stage, configure_data, init_ray, plan_stages, run_remote, watched
+from pairmine.pipeline.ray_adapter import Stage, apply_stage, configure_data, init_ray, plan_for, run_remote, watched
 
 log = logging.getLogger("pairmine")
 
@@ -304,11 +304,11 @@ def negatives(cfg: NegativesConfig) -> MineResult:
         check_teacher(n.teacher)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
-    stage_plan = plan_stages(cfg.embed.device, cfg.embed.num_actors, 1, True, cfg.embed.threads)
+    stage_plan = plan_for(cfg, 1)
     embed_cpus, embed_gpus = stage_plan.embed_cpus, stage_plan.embed_gpus
     if n.teacher:  # the teacher actors share the embed actors' slots (on GPU: half of each embed share)
         if stage_plan.device == "cpu":
-            stage_plan = plan_stages(cfg.embed.device, 2 * stage_plan.embed_actors, 1, True, cfg.embed.threads)
+            stage_plan = plan_for(cfg, 1, embed_actors=2 * stage_plan.embed_actors)
             embed_cpus = stage_plan.embed_cpus
         else:
             embed_gpus = stage_plan.embed_gpus / 2

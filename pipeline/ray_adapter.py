@@ -126,8 +126,6 @@ class PlanError(ValueError):
     """The stages cannot be placed on the Ray cluster as configured (the message says why and what to change)."""
 
 
-GPU_SHARE_EMBED = 0.75  # of each GPU for an embed actor; the consistency filter actor gets the rest
-LIGHT_CPUS = 0.5  # CPU share of each light stage (read, chunk, scoring, write tasks; the filter actor on CPU)
 MAX_ACTORS_PER_CPU = 10  # beyond this, each actor's CPU share is too small to be worth having (refused)
 
 
@@ -171,14 +169,16 @@ class StagePlan:
 
 def plan_stages(device_request: str, embed_actors: int = 0, filter_actors: int = 0, filter_enabled: bool = True,
                 threads: int = 0, cpus: float | None = None, gpus: int | None = None,
-                cpus_per_node: int | None = None) -> StagePlan:
+                cpus_per_node: int | None = None, embed_cpus: float = 1.0, light_cpus: float = 0.5,
+                embed_gpu_share: float = 0.75) -> StagePlan:
     """Fit the streaming stages to the cluster, or refuse a plan that could never run (before any work starts).
 
     Every stage runs at once in a streaming pipeline, so all actors plus one slot for the light tasks must fit
-    together: ``embed_actors * 1 CPU + filter_actors * 0.5 + 0.5``. When the cluster has fewer CPUs (a 1-CPU Ray,
-    ``ray.num_cpus=1``), every share is scaled by ``cpus / need`` instead of leaving Ray to wait forever for CPUs
-    that do not exist (it used to hang with no message). On GPUs, each embed actor takes 3/4 of a GPU and each
-    filter actor 1/4, so that both pools fit one GPU.
+    together: ``embed_actors * embed_cpus + filter_actors * light_cpus + light_cpus`` (1, 0.5 and 0.5 by default:
+    ``ray.embed_cpus`` / ``ray.task_cpus``). When the cluster has fewer CPUs (a 1-CPU Ray, ``ray.num_cpus=1``), every
+    share is scaled by ``cpus / need`` instead of leaving Ray to wait forever for CPUs that do not exist (it used to
+    hang with no message). On GPUs, each embed actor takes ``embed_gpu_share`` of a GPU (3/4) and each filter actor
+    the rest, so that both pools fit one GPU.
 
     Args:
         device_request: ``embed.device``: "auto", "cpu" or "cuda".
@@ -186,6 +186,8 @@ def plan_stages(device_request: str, embed_actors: int = 0, filter_actors: int =
         filter_enabled: whether the consistency filter runs.
         threads: ``embed.threads``; 0 divides the largest node's CPUs between the embed actors.
         cpus / gpus / cpus_per_node: the cluster's resources (default: asked of the connected Ray).
+        embed_cpus / light_cpus / embed_gpu_share: ``ray.embed_cpus``, ``ray.task_cpus``, ``ray.embed_gpu_share``
+            (:func:`plan_for` takes them from a config).
 
     Returns:
         The :class:`StagePlan`.
@@ -207,7 +209,7 @@ def plan_stages(device_request: str, embed_actors: int = 0, filter_actors: int =
     on_gpu = device == "cuda"
     embed_actors = embed_actors or (gpus if on_gpu else 1)
     filter_actors = (filter_actors or (gpus if on_gpu else 1)) if filter_enabled else 0
-    embed_gpus, filter_gpus = (GPU_SHARE_EMBED, 1.0 - GPU_SHARE_EMBED) if on_gpu else (0.0, 0.0)
+    embed_gpus, filter_gpus = (embed_gpu_share, 1.0 - embed_gpu_share) if on_gpu else (0.0, 0.0)
     if on_gpu and embed_actors * embed_gpus + filter_actors * filter_gpus > gpus + 1e-9:
         raise PlanError(f"{embed_actors} embed actor(s) x {embed_gpus:g} GPU + {filter_actors} filter actor(s) x "
                         f"{filter_gpus:g} GPU do not fit the cluster's {gpus} GPU(s); set embed.num_actors and "
@@ -215,7 +217,7 @@ def plan_stages(device_request: str, embed_actors: int = 0, filter_actors: int =
     if embed_actors > MAX_ACTORS_PER_CPU * cpus:
         raise PlanError(f"embed.num_actors = {embed_actors} on {cpus:g} CPU(s): more than {MAX_ACTORS_PER_CPU} "
                         "actors per CPU; lower embed.num_actors")
-    embed_cpus, light = 1.0, LIGHT_CPUS
+    light = light_cpus
     need = embed_actors * embed_cpus + filter_actors * light + light
     scaled = need > cpus + 1e-9
     if scaled:
@@ -226,6 +228,18 @@ def plan_stages(device_request: str, embed_actors: int = 0, filter_actors: int =
         threads = max(1, int(per_node) // embed_actors)
     return StagePlan(device, embed_actors, filter_actors, threads, round(embed_cpus, 4), round(light, 4), embed_gpus,
                      filter_gpus, cpus, gpus, scaled)
+
+
+def plan_for(cfg, filter_actors: int, filter_enabled: bool = True, embed_actors: int | None = None,
+             **cluster) -> StagePlan:
+    """:func:`plan_stages` with a command's config: ``embed.device``, ``embed.num_actors`` (unless ``embed_actors``
+    is given), ``embed.threads`` and the shares ``ray.embed_cpus``, ``ray.task_cpus``, ``ray.embed_gpu_share``. The
+    one place mine, filter-pairs and negatives decide where their stages run. ``cluster``: ``cpus`` / ``gpus`` /
+    ``cpus_per_node`` instead of asking the connected Ray. Raises PlanError as plan_stages."""
+    r = cfg.ray
+    return plan_stages(cfg.embed.device, cfg.embed.num_actors if embed_actors is None else embed_actors,
+                       filter_actors, filter_enabled, cfg.embed.threads, embed_cpus=r.embed_cpus,
+                       light_cpus=r.task_cpus, embed_gpu_share=r.embed_gpu_share, **cluster)
 
 
 class StallError(RuntimeError):

@@ -42,6 +42,31 @@ def test_gpu_plans():
         plan_stages("cpu", embed_actors=11, cpus=1, gpus=0)
 
 
+def test_the_shares_come_from_the_config_for_every_job():
+    """One stage plan (issue 13 item 3): ray.embed_cpus / ray.task_cpus / ray.embed_gpu_share, documented in
+    pairmine's --help, are what mine, filter-pairs and negatives plan with (pipeline.ray_adapter.plan_for)."""
+    from pairmine.pipeline.config import ConfigError, load_config
+    from pairmine.pipeline.ray_adapter import plan_for
+
+    cfg = load_config()
+    p = plan_for(cfg, cfg.consistency.num_actors, cpus=2, gpus=0, cpus_per_node=2)
+    assert (p.embed_cpus, p.light_cpus, p.scaled) == (1.0, 0.5, False)  # the defaults
+    cfg = load_config(overrides=["ray.embed_cpus=2", "ray.task_cpus=0.25", "ray.embed_gpu_share=0.5"])
+    # 2 + 0.25 (filter actor) + 0.25 (tasks) = 2.5 CPUs wanted of 5: as configured.
+    p = plan_for(cfg, 1, cpus=5, gpus=0, cpus_per_node=5)
+    assert (p.embed_cpus, p.light_cpus, p.scaled) == (2.0, 0.25, False)
+    # ... of 1.25: every share halved.
+    p = plan_for(cfg, 1, cpus=1.25, gpus=0, cpus_per_node=1)
+    assert (p.embed_cpus, p.light_cpus, p.scaled) == (1.0, 0.125, True)
+    p = plan_for(cfg, 0, cpus=8, gpus=1, cpus_per_node=8)
+    assert (p.device, p.embed_gpus, p.filter_gpus) == ("cuda", 0.5, 0.5)
+    # negatives with a teacher plans twice the embed actors through the same function
+    assert plan_for(cfg, 1, embed_actors=2, cpus=5, gpus=0, cpus_per_node=5).embed_actors == 2
+    for bad in ("ray.embed_cpus=0", "ray.task_cpus=-1", "ray.embed_gpu_share=1"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(overrides=[bad])
+
+
 def _cli(*args: str, timeout: int) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "mine", *args], capture_output=True, text=True,
