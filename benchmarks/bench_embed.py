@@ -24,10 +24,11 @@ import time
 import numpy as np
 
 
-def sample_passages(path: str) -> list[str]:
+def sample_passages(path: str, max_length: int = 256) -> list[str]:
+    """The passages ``pairmine mine`` embeds for ``path`` (default model, its token limit at ``max_length``)."""
     import pyarrow as pa
 
-    from pairmine.operators.chunk import chunk_text
+    from pairmine.operators.chunk import TokenLimit, chunk_text
     from pairmine.operators.read import ReadDocuments
     import tempfile
 
@@ -42,7 +43,8 @@ def sample_passages(path: str) -> list[str]:
                        in_process=True)
     docs = ReadDocuments()(pa.Table.from_pylist(first.units))
     texts = [t for t, r in zip(docs.column("text").to_pylist(), docs.column("skip_reason").to_pylist()) if r is None]
-    return [p for t in texts for p in chunk_text(t).passages]
+    limit = TokenLimit("", max_length, "")
+    return [p for t in texts for p in chunk_text(t, token_limit=limit).passages]
 
 
 def timed(fn) -> float:
@@ -82,7 +84,7 @@ def main() -> None:
     from pairmine.operators.embed import Embedder, default_model_path
 
     model_dir = default_model_path()
-    passages = sample_passages(args.input)
+    passages = sample_passages(args.input, args.max_length)
     n = len(passages)
     print(f"{n} passages from {args.input or 'the shipped sample'}; model all-MiniLM-L6-v2; torch threads "
           f"{torch.get_num_threads()}; batch {args.batch_size}; max_length {args.max_length}", flush=True)
