@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +24,7 @@ import pyarrow.parquet as pq
 
 from pairmine.operators.chunk import normalise_passage
 from pairmine.operators.consistency import doc_hash
+from pairmine.operators.embed import Embedder
 from pairmine.operators.pairs import _matrix
 from pairmine.operators.read import open_input
 from pairmine.operators.storage import LOCAL, Storage
@@ -131,6 +133,65 @@ class ReadGroupPairs:
                 "skip_reason": pa.nulls(n, pa.string()), "text_repaired": pa.array(np.zeros(n, bool)),
             }))
         return pa.concat_tables(tables)
+
+
+class EmbedPairVectors:
+    """Embed operator: adds ``query_vector`` and ``passage_vector`` (fixed_size_list<float32, dim>) to every pair, the
+    query with ``query_prefix`` and the positive with the passage prefix (E5: "query: " / "passage: "), and
+    ``vectors_reused`` (int32, 0-2 per row): how many of the row's two vectors were not computed but taken from
+    ``known``. Skipped rows get zero vectors.
+
+    ``known`` (as :class:`operators.embed.Embedder`'s): the corpus vectors, keyed by their prefixed text. A positive
+    found in the corpus (the usual case: a mine run's s1, or a pair whose passage is a corpus document) gets its corpus
+    vector without a forward pass, as sentence-transformers' ``mine_hard_negatives`` does; so does a query whose
+    prefixed text is a corpus passage's (only when the query prefix equals the passage prefix, e.g. all-MiniLM's
+    empty ones: with E5's "query: " no key matches and every query is embedded). A text is looked up as it is, or
+    without outer whitespace when that gives the same input ids (:meth:`corpus_form`). Reused vectors equal a forward
+    pass's to ~1e-7 (a vector does not depend on its batch). Other args as :class:`operators.embed.Embedder`.
+    """
+
+    def __init__(self, query_prefix: str = "", known=None, **embedder_kwargs):
+        self.embedder = Embedder(known=known, **embedder_kwargs)
+        self.query_prefix = query_prefix
+
+    def setup(self) -> None:
+        self.embedder.setup()
+
+    def corpus_form(self, texts: list[str], prefix: str) -> list[str]:
+        """Each text, or its form without outer whitespace where the tokenizer gives both the same input ids (so the
+        model computes the same vector from either): a corpus passage is a slice of its document without the outer
+        whitespace, so a positive that is a whole document (" Yes you can ...") finds its passage's key."""
+        if self.embedder._model is None:
+            self.embedder.setup()
+        if self.embedder._known is None:
+            return texts
+        stripped = [t.strip() for t in texts]
+        differ = [i for i, (t, s) in enumerate(zip(texts, stripped)) if t != s and s]
+        if not differ:
+            return texts
+        tokenize = partial(self.embedder._tokenizer, truncation=True, max_length=self.embedder.max_length)
+        before = tokenize([prefix + texts[i] for i in differ])["input_ids"]
+        after = tokenize([prefix + stripped[i] for i in differ])["input_ids"]
+        out = list(texts)
+        for i, a, b in zip(differ, before, after):
+            if a == b:
+                out[i] = stripped[i]
+        return out
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        ok = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
+        rows = pa.array(np.flatnonzero(ok), pa.int64())
+        reused = np.zeros(batch.num_rows, np.int32)
+        out = batch
+        for name, column, prefix in (("query_vector", "query", self.query_prefix), ("passage_vector", "passage", None)):
+            texts = self.corpus_form(batch.column(column).take(rows).to_pylist(),
+                                     self.embedder.passage_prefix if prefix is None else prefix)
+            encoded = self.embedder.encode(texts, prefix=prefix)  # (usable, dim)
+            reused[ok] += self.embedder.last_reused
+            vecs = np.zeros((batch.num_rows, encoded.shape[1]), np.float32)  # (rows, dim), zeros for skipped rows
+            vecs[ok] = encoded
+            out = out.append_column(name, pa.FixedSizeListArray.from_arrays(pa.array(vecs.ravel()), encoded.shape[1]))
+        return out.append_column("vectors_reused", pa.array(reused, pa.int32()))
 
 
 def load_index(blob: np.ndarray):
@@ -291,6 +352,8 @@ class NegativesWriter:
         stats = Counter()
         stats["pairs_in"] = batch.num_rows
         stats["pairs_text_repaired"] = int(batch.column("text_repaired").to_numpy(zero_copy_only=False).sum())
+        if "vectors_reused" in batch.column_names:
+            stats["vectors_reused"] = int(pc.sum(batch.column("vectors_reused")).as_py() or 0)
         for r in batch.column("skip_reason").to_pylist():
             if r is not None:
                 stats[f"pairs_skipped.{r}"] += 1
