@@ -206,13 +206,22 @@ def _make_read(cfg: NegativesConfig, kind: str):
     return ReadPairs(cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column, cfg.storage_layer())
 
 
-def _make_embed(cfg: NegativesConfig, threads: int, device: str):
-    from pairmine.operators.pairs import EmbedPairs
+def _make_embed(cfg: NegativesConfig, threads: int, device: str, known_refs=None):
+    from pairmine.operators.negatives import EmbedPairVectors
 
     e = cfg.embed
-    return EmbedPairs(cfg.resolved_query_prefix(), model=e.model, passage_prefix=cfg.resolved_prefix(),
-                      max_length=e.max_length, batch_size=e.batch_size, dtype=e.dtype, device=device, threads=threads,
-                      trust_remote_code=e.trust_remote_code)
+    known = partial(_load_known, *known_refs) if known_refs is not None else None
+    return EmbedPairVectors(cfg.resolved_query_prefix(), known, model=e.model, passage_prefix=cfg.resolved_prefix(),
+                            max_length=e.max_length, batch_size=e.batch_size, dtype=e.dtype, device=device,
+                            threads=threads, trust_remote_code=e.trust_remote_code)
+
+
+def _load_known(keys_ref, vectors_ref):
+    """The corpus vectors as an Embedder's ``known`` lookup: (keys sorted, rows, corpus vectors)."""
+    import ray
+
+    keys, rows = ray.get(keys_ref)
+    return keys, rows, ray.get(vectors_ref)  # zero-copy from the node's object store
 
 
 def _make_corpus_embed(cfg: NegativesConfig, threads: int, device: str):
@@ -284,6 +293,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     import faiss
     import ray
 
+    from pairmine.operators.embed import known_vectors
     from pairmine.operators.negatives import DROP_REASONS, text_hash
     from pairmine.operators.pairs import PAIR_SKIP_REASONS
 
@@ -361,7 +371,10 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     corpus_size = len(vectors)
     text_hashes = np.array([text_hash(t) for t in corpus_texts], np.int64)
     corpus_ref = ray.put((faiss.serialize_index(index), text_hashes, corpus_docs, pa.array(corpus_texts, pa.string())))
-    del vectors, index, corpus_texts
+    # The pairs' embedder takes a positive's (or a query's) vector from the corpus when its prefixed text is there.
+    keys, rows, _ = known_vectors([cfg.resolved_prefix() + t for t in corpus_texts], vectors)
+    known_refs = (ray.put((keys, rows)), ray.put(vectors))
+    del vectors, index, corpus_texts, keys, rows
 
     # ---- the streaming pass -----------------------------------------------------------------------------------------
     staging = f"{run_dir}/_staging"
@@ -370,7 +383,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     batch = cfg.ray.docs_per_batch
     stages = [
         Stage("read_pairs", partial(_make_read, cfg, kind), batch_size=1, num_cpus=light),
-        Stage("embed_pairs", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
+        Stage("embed_pairs", partial(_make_embed, cfg, threads, device, known_refs), batch_size=batch, actors=actors,
               num_cpus=embed_cpus, num_gpus=embed_gpus),
         Stage("search", partial(_make_search, corpus_ref, cfg, threads), batch_size=batch, actors=1, num_cpus=light),
     ]
@@ -409,6 +422,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
         "candidates_retrieved": kept + sum(dropped.values()),
         "negatives_dropped": dropped,
         "corpus_passages": corpus_size,
+        "vectors_reused": int(total.get("vectors_reused", 0)),
         "index": index_desc,
         "index_recall_at_depth": recall,
         "elapsed_s": round(elapsed, 2),

@@ -146,6 +146,54 @@ def test_negatives_of_a_mine_run_with_a_teacher(tiny_run, tiny_teacher, teacher_
     assert np.allclose([first["positive_teacher_score"], *first["negative_teacher_scores"]], expected, atol=1e-4)
 
 
+def test_positives_and_queries_found_in_the_corpus_are_not_embedded_again(tiny_run, teacher_run):
+    """A positive (or a query, with equal query and passage prefixes) whose prefixed text is a corpus passage takes
+    the corpus vector instead of a forward pass; the mined negatives are those of embedding everything."""
+    import faiss
+
+    from pairmine.operators.consistency import doc_hash
+    from pairmine.operators.embed import Embedder, known_vectors
+    from pairmine.operators.negatives import EmbedPairVectors, SearchNegatives, text_hash
+    from pairmine.pipeline.negatives import build_index
+    from tests.conftest import SCORE_ATOL
+
+    run_dir, _ = tiny_run
+    out, _ = teacher_run
+    stats = json.loads((out / "stats.json").read_text())
+    resolved = json.loads((out / "manifest.json").read_text())["resolved"]
+    assert resolved["query_prefix"] == resolved["passage_prefix"]  # the tiny model's: queries can be reused too
+    # Every positive (s1) and every query (the anchor) is a passage of the corpus (the run's own input).
+    assert stats["vectors_reused"] == 2 * stats["pairs_out"]
+    rows = pq.read_table(out / "negatives").to_pylist()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    embed = {k: manifest["config"]["embed"][k] for k in ("model", "max_length", "dtype")}
+    embed["passage_prefix"] = resolved["passage_prefix"]
+    docs = pq.read_table(manifest["inputs"][0]["path"], columns=["id", "text"]).to_pylist()
+    corpus = [(d["id"], p) for d in docs for p in chunk_text(d["text"], token_limit=run_token_limit(manifest)).passages]
+    texts = [p for _, p in corpus]
+    vectors = Embedder(**embed).encode(texts)  # (N, dim)
+    blob = faiss.serialize_index(build_index(vectors, "flat")[0])
+    corpus_arrays = (blob, np.array([text_hash(t) for t in texts]), np.array([doc_hash(i) for i, _ in corpus]),
+                     pa.array(texts))
+    batch = pa.table({"pair_id": [r["pair_id"] for r in rows], "doc_id": [r["doc_id"] for r in rows],
+                      "query": [r["query"] for r in rows],
+                      # outer whitespace (a whole document as positive) leaves the input ids, so the key, as they are
+                      "passage": [f" {r['positive']}\n" if k % 2 else r["positive"] for k, r in enumerate(rows)],
+                      "skip_reason": pa.nulls(len(rows), pa.string())})
+    known = known_vectors([resolved["passage_prefix"] + t for t in texts], vectors)
+    mined = {}
+    for name, lookup in (("reused", lambda: known), ("embedded", None)):
+        embedded = EmbedPairVectors(resolved["query_prefix"], lookup, **embed)(batch)
+        mined[name] = SearchNegatives(lambda: corpus_arrays)(embedded).to_pylist()
+        assert sum(r["vectors_reused"] for r in mined[name]) == (2 * len(rows) if lookup else 0)
+    for a, b, run_row in zip(mined["reused"], mined["embedded"], rows):
+        assert (a["negatives"], a["negative_ranks"]) == (b["negatives"], b["negative_ranks"])
+        assert np.allclose(a["negative_scores"], b["negative_scores"], atol=SCORE_ATOL)
+        # The run's cos(query, positive), from corpus vectors, is that of vectors embedded afresh.
+        assert a["positive_score"] == pytest.approx(b["positive_score"], abs=SCORE_ATOL)
+        assert run_row["positive_score"] == pytest.approx(b["positive_score"], abs=SCORE_ATOL)
+
+
 def test_train_on_negatives_with_teacher_scores(teacher_run, tiny_model_dir, tmp_path):
     """pairmine train --negatives: grouped batches (G x (1 + H)), alpha InfoNCE + (1 - alpha) KL, on Ray Train."""
     out, _ = teacher_run
