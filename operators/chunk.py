@@ -259,29 +259,41 @@ class TokenLimit:
         return self.lengths([passage])[0] <= self.max_length
 
 
-def _longest_fit(text: str, spans: list[tuple[int, int]], i: int, limit: TokenLimit) -> int:
-    """The largest j > i such that text[spans[i][0]:spans[j - 1][1]] fits ``limit``; i when not even spans[i] fits.
-
-    Token counts grow with the span, so a galloping search (1, 2, 4, ... spans, then bisection) finds j with
-    O(log n) tokenizer calls on texts at most about twice as long as the answer."""
-    def fits(j: int) -> bool:
-        return limit.fits(text[spans[i][0]:spans[j - 1][1]])
-
-    lo, step = i, 1  # spans[i:lo] fits
-    while lo + step <= len(spans) and fits(lo + step):
+def _gallop(n: int, fits_upto) -> int:
+    """The largest j in [0, n] with ``fits_upto(j)`` true, for a ``fits_upto`` that is true up to some j and false
+    after (token counts grow with the text); ``fits_upto(0)`` is taken as true. Galloping (1, 2, 4, ... then
+    bisection): O(log j) calls on texts at most about twice as long as the answer."""
+    lo, step = 0, 1
+    while lo + step <= n and fits_upto(lo + step):
         lo += step
         step *= 2
-    hi = min(lo + step, len(spans) + 1)  # spans[i:hi] does not fit (or runs past the end)
+    hi = min(lo + step, n + 1)  # fits_upto(hi) is false (or hi is past n)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if fits(mid):
+        if fits_upto(mid):
             lo = mid
         else:
             hi = mid
     return lo
 
 
-def fit_spans(text: str, levels: list[list[tuple[int, int]]], limit: TokenLimit) -> list[tuple[int, int]]:
+def _fit_characters(text: str, start: int, end: int, limit: TokenLimit, max_parts: int | None,
+                    out: list[tuple[int, int]]) -> None:
+    """Append to ``out`` the longest runs of characters of text[start:end] that fit (one character when not even
+    that fits); once ``out`` holds ``max_parts`` spans, the rest goes in as one span. Characters are never listed,
+    so a multi-megabyte "word" costs O(parts x log) tokenizer calls, not memory per character."""
+    pos = start
+    while pos < end:
+        if max_parts is not None and len(out) >= max_parts:
+            out.append((pos, end))
+            return
+        n = max(1, _gallop(end - pos, lambda j: limit.fits(text[pos:pos + j])))
+        out.append((pos, pos + n))
+        pos += n
+
+
+def fit_spans(text: str, levels: list[list[tuple[int, int]]], limit: TokenLimit, max_parts: int | None = None,
+              out: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
     """Cut ``text[levels[0][0][0]:levels[0][-1][1]]`` into consecutive spans that each fit ``limit``.
 
     Args:
@@ -289,29 +301,34 @@ def fit_spans(text: str, levels: list[list[tuple[int, int]]], limit: TokenLimit)
         levels: cut points from coarse to fine, each a list of consecutive (start, end) spans covering the same
             text: e.g. [sentences, words]. Characters are the last resort and need not be given.
         limit: the token limit.
+        max_parts: once this many spans are out, the rest of the text goes in as one more span (unfitted): bounds
+            the work on a pathological document (the chunker passes its passage cap).
+        out: a list to append to (the spans so far); a new one when None.
 
     Returns:
         (start, end) spans in order, greedily the longest run of the coarsest units that fits; a unit that does not
         fit alone is cut with the next level (characters last). A single character that does not fit is kept alone.
     """
+    out = [] if out is None else out
     spans, rest = levels[0], levels[1:]
-    out: list[tuple[int, int]] = []
     i = 0
     while i < len(spans):
-        j = _longest_fit(text, spans, i, limit)
+        if max_parts is not None and len(out) >= max_parts:
+            out.append((spans[i][0], spans[-1][1]))
+            return out
+        base = spans[i][0]
+        j = i + _gallop(len(spans) - i, lambda m: limit.fits(text[base:spans[i + m - 1][1]]))
         if j > i:
-            out.append((spans[i][0], spans[j - 1][1]))
+            out.append((base, spans[j - 1][1]))
             i = j
             continue
         s, e = spans[i]
-        if rest:
-            finer = [(a, b) for a, b in rest[0] if a >= s and b <= e]
-            out.extend(fit_spans(text, [finer, *[[x for x in lv if x[0] >= s and x[1] <= e] for lv in rest[1:]]],
-                                 limit) if finer else [(s, e)])
-        elif e - s > 1:
-            out.extend(fit_spans(text, [[(k, k + 1) for k in range(s, e)]], limit))
+        finer = [(a, b) for a, b in rest[0] if a >= s and b <= e] if rest else []
+        if finer:
+            fit_spans(text, [finer, *[[x for x in lv if x[0] >= s and x[1] <= e] for lv in rest[1:]]], limit,
+                      max_parts, out)
         else:
-            out.append((s, e))
+            _fit_characters(text, s, e, limit, max_parts, out)
         i += 1
     return out
 
@@ -406,7 +423,7 @@ def chunk_text(text: str, max_words: int = 120, min_words: int = 5, max_passages
             continue
         sentences = [(p[0][0], p[-1][1]) for p in candidate]
         words = [(a[0], a[1]) for p in candidate for a in p]
-        parts = fit_spans(text, [sentences, words], token_limit)
+        parts = fit_spans(text, [sentences, words], token_limit, max_parts=max_passages)
         out.n_token_split += 1
         for s, e in parts:
             keep(s, e, sum(a[2] for a in _atoms(text, s, e)))

@@ -246,3 +246,16 @@ def test_the_sample_fits_the_default_model(sample_dir):
     assert all(a == b for a, b in zip(by_words, fitted) if b.n_token_split == 0)
     for t, c in zip(texts, fitted):
         check_offsets(t, c, words=False)
+
+
+def test_a_huge_word_costs_at_most_the_passage_cap():
+    """A 320,000-character "word" (no space: HTML-escaped text, base64, minified code) is cut only up to
+    chunk.max_passages pieces; the rest is one more piece past the cap (counted as truncated), so the work and
+    memory do not grow with the word."""
+    from pairmine.operators.chunk import TokenLimit
+
+    blob = "".join(f"&#{20000 + i};" for i in range(40000))
+    limit = TokenLimit("", 32, "")
+    c = chunk_text(blob, min_words=1, max_passages=4, token_limit=limit)
+    assert len(c.passages) == 4 and c.n_truncated == 1 and c.n_token_split == 1
+    assert max(limit.lengths(c.passages)) <= 32 and "".join(c.passages) == blob[:c.ends[-1]]
