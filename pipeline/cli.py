@@ -294,16 +294,14 @@ def _common_args(p: argparse.ArgumentParser) -> None:
                    "local Ray). Same as ray.address")
 
 
-def _load(args, flags, loader=None) -> "object":
+def _load(args, flags=(), loader=None) -> "object":
     """The validated config of a command: ``--config``, then ``--set``, then each given flag as ``key=value``
-    (``flags``: (flag value, config key) pairs; None/False flags are skipped). ``loader``: the config's loader
-    (default: mine's ``load_config``)."""
+    (``flags``: (flag value, config key) pairs; a flag that was not given is None and skipped, while an empty value
+    such as ``--query-prefix ''`` is kept). ``loader``: the config's loader (default: mine's ``load_config``). The
+    one way every command maps its flags to config keys."""
     from pairmine.pipeline.config import load_config
 
-    overrides = list(args.overrides)
-    for flag, key in flags:
-        if flag:
-            overrides.append(f"{key}={flag}")
+    overrides = list(args.overrides) + [f"{key}={flag}" for flag, key in flags if flag is not None]
     return (loader or load_config)(args.config, overrides)
 
 
@@ -502,17 +500,10 @@ def add_eval_commands(sub) -> None:
                    help="override a config key, e.g. --set chunk.max_words=200")
 
 
-def _eval_config(args, flags):
-    """A MineConfig from --config/--set plus flags; unlike _load, an empty flag value ('' prefix) is kept."""
-    from pairmine.pipeline.config import load_config
-
-    return load_config(args.config, list(args.overrides) + [f"{key}={v}" for v, key in flags if v is not None])
-
-
 def cmd_eval(args) -> int:
     from pairmine.pipeline.evaluate import METRICS, evaluate
 
-    cfg = _eval_config(args, ((args.model, "embed.model"), (args.query_prefix, "embed.query_prefix"),
+    cfg = _load(args, ((args.model, "embed.model"), (args.query_prefix, "embed.query_prefix"),
                               (args.passage_prefix, "embed.passage_prefix")))
     res = evaluate(cfg, args.beir, args.sts, args.output or "", args.split)
     s = res.summary
@@ -537,7 +528,7 @@ def cmd_compare(args) -> int:
 
     from pairmine.pipeline.evaluate import compare_results, load_per_query, verdict
 
-    storage = _eval_config(args, ()).storage_layer()
+    storage = _load(args).storage_layer()
     a, b = load_per_query(args.result_a, storage), load_per_query(args.result_b, storage)
     comps, info = compare_results(a, b, args.metric, args.common_only, args.resamples, args.seed, args.ci)
     print(f"A: {a['path']} ({a.get('model', '?')})\nB: {b['path']} ({b.get('model', '?')})")
@@ -561,7 +552,7 @@ def cmd_compare(args) -> int:
 def cmd_report(args) -> int:
     from pairmine.pipeline.report import build_report
 
-    storage = _eval_config(args, ()).storage_layer()
+    storage = _load(args).storage_layer()
     res = build_report(args.run, args.output or "", args.examples, args.seed, args.groups_per_doc, not args.no_reembed,
                        storage)
     for n in res.notes:
@@ -573,7 +564,7 @@ def cmd_report(args) -> int:
 def cmd_calibrate(args) -> int:
     from pairmine.pipeline.calibrate import calibrate, format_calibration
 
-    cfg = _eval_config(args, ((args.input, "input.path"), (args.model, "embed.model"),
+    cfg = _load(args, ((args.input, "input.path"), (args.model, "embed.model"),
                               (args.passage_prefix, "embed.passage_prefix")))
     result = calibrate(cfg, args.sample_docs, args.seed, args.target_coverage, args.target_anchor_rate,
                        args.coverage_basis, args.examples)
