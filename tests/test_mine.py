@@ -202,9 +202,11 @@ def test_bad_input_is_counted_and_never_crashes(bad_input, tiny_model_dir, out):
     assert s["passages_token_split"] == sum(c.n_token_split for c in fitted) == long_passages
     assert load_config(overrides=["chunk.fit_model_length=false"]).token_limit() is None  # words alone
     # "repeated" is one paragraph three times: kept once, 2 copies dropped and counted (issue 14 item 5); the 30 real
-    # documents repeat no passage.
-    assert s["passages_duplicate_dropped"] == 2 == sum(
+    # documents repeat no passage; "mixed"'s 4 passages over the limit are cut at sentences, and 3 of the pieces
+    # repeat an earlier one (its Russian and Arabic sentences recur without the number the English one carries).
+    assert s["passages_duplicate_dropped"] == 5 == sum(
         chunk_text(t, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages, limit).n_duplicate for t in mined)
+    assert [c.n_duplicate for c in fitted if c.n_duplicate] == [3, 2]  # mixed, repeated
     groups = out.table("bad", "groups").to_pylist()
     by_doc = {}
     for g in groups:
