@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from pairmine.operators.chunk import normalise_passage
 from pairmine.operators.consistency import doc_hash
-from pairmine.operators.embed import Embedder
+from pairmine.operators.pairs import EmbedPairs
 from pairmine.operators.pairs import _matrix
 from pairmine.operators.read import open_input
 from pairmine.operators.storage import LOCAL, Storage
@@ -135,7 +135,7 @@ class ReadGroupPairs:
         return pa.concat_tables(tables)
 
 
-class EmbedPairVectors:
+class EmbedPairVectors(EmbedPairs):
     """Embed operator: adds ``query_vector`` and ``passage_vector`` (fixed_size_list<float32, dim>) to every pair, the
     query with ``query_prefix`` and the positive with the passage prefix (E5: "query: " / "passage: "), and
     ``vectors_reused`` (int32, 0-2 per row): how many of the row's two vectors were not computed but taken from
@@ -146,18 +146,16 @@ class EmbedPairVectors:
     vector without a forward pass, as sentence-transformers' ``mine_hard_negatives`` does; so does a query whose
     prefixed text is a corpus passage's (only when the query prefix equals the passage prefix, e.g. all-MiniLM's
     empty ones: with E5's "query: " no key matches and every query is embedded). A text is looked up as it is, or
-    without outer whitespace when that gives the same input ids (:meth:`corpus_form`). Reused vectors equal a forward
+    without outer whitespace when that gives the same input ids (:meth:`texts_to_embed`). Reused vectors equal a forward
     pass's to ~1e-7 (a vector does not depend on its batch). Other args as :class:`operators.embed.Embedder`.
     """
 
+    count_reused = True
+
     def __init__(self, query_prefix: str = "", known=None, **embedder_kwargs):
-        self.embedder = Embedder(known=known, **embedder_kwargs)
-        self.query_prefix = query_prefix
+        super().__init__(query_prefix, known=known, **embedder_kwargs)
 
-    def setup(self) -> None:
-        self.embedder.setup()
-
-    def corpus_form(self, texts: list[str], prefix: str) -> list[str]:
+    def texts_to_embed(self, texts: list[str], prefix: str) -> list[str]:
         """Each text, or its form without outer whitespace where the tokenizer gives both the same input ids (so the
         model computes the same vector from either): a corpus passage is a slice of its document without the outer
         whitespace, so a positive that is a whole document (" Yes you can ...") finds its passage's key."""
@@ -177,21 +175,6 @@ class EmbedPairVectors:
             if a == b:
                 out[i] = stripped[i]
         return out
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        ok = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
-        rows = pa.array(np.flatnonzero(ok), pa.int64())
-        reused = np.zeros(batch.num_rows, np.int32)
-        out = batch
-        for name, column, prefix in (("query_vector", "query", self.query_prefix), ("passage_vector", "passage", None)):
-            texts = self.corpus_form(batch.column(column).take(rows).to_pylist(),
-                                     self.embedder.passage_prefix if prefix is None else prefix)
-            encoded = self.embedder.encode(texts, prefix=prefix)  # (usable, dim)
-            reused[ok] += self.embedder.last_reused
-            vecs = np.zeros((batch.num_rows, encoded.shape[1]), np.float32)  # (rows, dim), zeros for skipped rows
-            vecs[ok] = encoded
-            out = out.append_column(name, pa.FixedSizeListArray.from_arrays(pa.array(vecs.ravel()), encoded.shape[1]))
-        return out.append_column("vectors_reused", pa.array(reused, pa.int32()))
 
 
 def load_index(blob: np.ndarray):

@@ -123,7 +123,10 @@ class ReadPairs:
 class EmbedPairs:
     """Embed operator of filter-pairs: adds ``query_vector`` and ``passage_vector`` (fixed_size_list<float32>) with
     one model: the query with ``query_prefix``, the passage with the passage prefix (E5: "query: " / "passage: ").
-    Skipped rows get zero vectors. Args as :class:`operators.embed.Embedder`, plus ``query_prefix``."""
+    Skipped rows get zero vectors. Args as :class:`operators.embed.Embedder`, plus ``query_prefix``.
+    (``operators.negatives.EmbedPairVectors`` extends it with vectors taken from a corpus.)"""
+
+    count_reused = False  # add a ``vectors_reused`` column (subclasses that look vectors up)
 
     def __init__(self, query_prefix: str = "", **embedder_kwargs):
         self.embedder = Embedder(**embedder_kwargs)
@@ -132,16 +135,24 @@ class EmbedPairs:
     def setup(self) -> None:
         self.embedder.setup()
 
+    def texts_to_embed(self, texts: list[str], prefix: str) -> list[str]:
+        """The texts handed to the embedder (here: as they are)."""
+        return texts
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         ok = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
         rows = pa.array(np.flatnonzero(ok), pa.int64())
+        reused = np.zeros(batch.num_rows, np.int32)
         out = batch
         for name, column, prefix in (("query_vector", "query", self.query_prefix), ("passage_vector", "passage", None)):
-            encoded = self.embedder.encode(batch.column(column).take(rows).to_pylist(), prefix=prefix)  # (usable, dim)
+            texts = self.texts_to_embed(batch.column(column).take(rows).to_pylist(),
+                                        self.embedder.passage_prefix if prefix is None else prefix)
+            encoded = self.embedder.encode(texts, prefix=prefix)  # (usable, dim)
+            reused[ok] += self.embedder.last_reused
             vecs = np.zeros((batch.num_rows, encoded.shape[1]), np.float32)  # (rows, dim), zeros for skipped rows
             vecs[ok] = encoded
             out = out.append_column(name, pa.FixedSizeListArray.from_arrays(pa.array(vecs.ravel()), encoded.shape[1]))
-        return out
+        return out.append_column("vectors_reused", pa.array(reused, pa.int32())) if self.count_reused else out
 
 
 class PairFilter:
