@@ -92,8 +92,6 @@ def _config(manifest: dict):
                 cfg.set(f"{section}.{key}", value)
     except ConfigError as e:
         raise EvalInputError(f"the run's manifest.json holds a config this pairmine cannot read: {e}") from None
-    if "fit_model_length" not in (manifest.get("config", {}).get("chunk") or {}):
-        cfg.chunk.fit_model_length = False  # mined before passages were fitted to the model: chunk as it did
     return cfg
 
 
@@ -258,6 +256,7 @@ def sample_documents(run: str | Path, manifest: dict, examples: int, seed: int, 
     """
     from pairmine.operators.centrality import centrality
     from pairmine.operators.chunk import chunk_text
+    from pairmine.pipeline.config import run_token_limit
 
     parts = _read_groups(str(run), storage or LOCAL)
     by_doc: dict[str, dict] = {}
@@ -298,7 +297,7 @@ def sample_documents(run: str | Path, manifest: dict, examples: int, seed: int, 
         if not isinstance(text, str):
             d["check"] = "document text not found in the run's input: groups only"
             continue
-        passages = chunk_text(text, c.max_words, c.min_words, c.max_passages, cfg.token_limit()).passages
+        passages = chunk_text(text, c.max_words, c.min_words, c.max_passages, run_token_limit(manifest)).passages
         ok = all(r["anchor_index"] < len(passages) and passages[r["anchor_index"]] == r["anchor_text"]
                  and all(j < len(passages) and passages[j] == t for j, t in zip(r["related_indices"], r["related_texts"]))
                  for r in d["rows"])
