@@ -110,7 +110,8 @@ def text_hash(text: str) -> int:
 class ReadGroupPairs:
     """Read operator for a ``pairmine mine`` run as input: work units over its ``groups/`` parts -> one pair per
     group: ``pair_id`` (group id), ``doc_id``, ``query`` (the anchor), ``passage`` (s1, the top related passage),
-    ``skip_reason`` (null), ``text_repaired`` (False), ``shard_index``, ``row_index``."""
+    ``skip_reason`` (null), ``text_repaired`` (False), ``shard_index``, ``unit_offset`` (the work unit's first row),
+    ``row_index``."""
 
     def __init__(self, storage: Storage = LOCAL):
         self.storage = storage
@@ -127,6 +128,7 @@ class ReadGroupPairs:
             n = t.num_rows
             tables.append(pa.table({
                 "shard_index": pa.array(np.full(n, u["shard_index"], np.int32)),
+                "unit_offset": pa.array(np.full(n, u["row_offset"], np.int64)),
                 "row_index": pa.array(np.arange(u["row_offset"], u["row_offset"] + n, dtype=np.int64)),
                 "pair_id": t.column("group_id"), "doc_id": t.column("doc_id"), "query": t.column("anchor_text"),
                 "passage": pc.list_element(t.column("related_texts"), 0),
@@ -322,15 +324,31 @@ class TeacherScores:
 
 
 class NegativesWriter:
-    """Write operator: stages every usable pair with its negatives per input shard (``NEGATIVES_SCHEMA`` plus the
-    staging sort column) and returns one row per batch with the batch's counts as JSON (``stats``)."""
+    """Write operator: stages every usable pair with its negatives per work unit (``NEGATIVES_SCHEMA`` plus the
+    staging sort column; :func:`operators.write.stage_by_unit`) and returns one row per (batch, work unit) with
+    columns ``shard_index``, ``unit_offset``, ``staged`` and ``stats`` (that unit's counts in this batch, JSON)."""
 
     def __init__(self, staging_dir: str, run_id: str, model: str, teacher: str, storage: Storage = LOCAL):
         self.staging_dir, self.run_id, self.model, self.teacher = staging_dir.rstrip("/"), run_id, model, teacher
         self.storage = storage
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from pairmine.operators.write import STAGING_SORT_COLUMN, staging_name, write_table_atomic
+        if "unit_offset" not in batch.column_names:
+            batch = batch.append_column("unit_offset", pa.array(np.zeros(batch.num_rows, np.int64)))
+        keys = np.stack([batch.column("shard_index").to_numpy().astype(np.int64),
+                         batch.column("unit_offset").to_numpy()], axis=1)
+        units = np.unique(keys, axis=0).tolist()
+        rows = [self._write_unit(batch.filter(pa.array((keys[:, 0] == s) & (keys[:, 1] == o)))) for s, o in units]
+        return pa.table({
+            "shard_index": pa.array([s for s, _ in units], pa.int32()),
+            "unit_offset": pa.array([o for _, o in units], pa.int64()),
+            "staged": pa.array([staged for staged, _ in rows], pa.list_(pa.string())),
+            "stats": [stats for _, stats in rows],
+        })
+
+    def _write_unit(self, batch: pa.Table) -> tuple[list[str], str]:
+        """Stage one work unit's pairs of a batch; returns (files staged, counts as JSON)."""
+        from pairmine.operators.write import STAGING_SORT_COLUMN, stage_by_unit
 
         stats = Counter()
         stats["pairs_in"] = batch.num_rows
@@ -367,10 +385,7 @@ class NegativesWriter:
                 "teacher": pa.array([self.teacher or None] * m, pa.string()),
                 STAGING_SORT_COLUMN: part.column("row_index"),
             })
-            shards = part.column("shard_index").to_numpy()
-            for shard in np.unique(shards):
-                piece = table.filter(pa.array(shards == shard))
-                name = staging_name(int(shard), piece.column(STAGING_SORT_COLUMN).to_numpy())
-                write_table_atomic(self.storage, piece, f"{self.staging_dir}/negatives/{name}")
-                staged.append(f"negatives/{name}")
-        return pa.table({"staged": pa.array([staged], pa.list_(pa.string())), "stats": [json.dumps(dict(stats))]})
+            staged = [name for _, name in stage_by_unit(self.storage, table, part.column("shard_index").to_numpy(),
+                                                        part.column("unit_offset").to_numpy(),
+                                                        f"{self.staging_dir}/negatives", "negatives")]
+        return staged, json.dumps(dict(stats))

@@ -95,7 +95,7 @@ def pair_skip_reasons(queries: pa.Array, passages: pa.Array, invalid: np.ndarray
 
 class ReadPairs:
     """Read operator of filter-pairs: work units (``operators.read.UNIT_SCHEMA``) -> one row per pair with
-    ``shard_index, row_index, pair_id`` (the id column, else "shard:row"), ``query, passage, skip_reason`` and
+    ``shard_index, unit_offset`` (the work unit's first row), ``row_index, pair_id`` (the id column, else "shard:row"), ``query, passage, skip_reason`` and
     ``text_repaired`` (invalid UTF-8 in the query or passage replaced with U+FFFD)."""
 
     def __init__(self, query_column: str = "query", passage_column: str = "passage", id_column: str = "id",
@@ -113,7 +113,8 @@ class ReadPairs:
             fallback = pa.array([f"{u['shard_index']}:{r}" for r in rows.tolist()], pa.string())
             pair_ids = fallback if ids is None else pc.coalesce(ids, fallback)
             tables.append(pa.table({
-                "shard_index": pa.array(np.full(len(q), u["shard_index"], np.int32)), "row_index": rows,
+                "shard_index": pa.array(np.full(len(q), u["shard_index"], np.int32)),
+                "unit_offset": pa.array(np.full(len(q), u["row_offset"], np.int64)), "row_index": rows,
                 "pair_id": pair_ids, "query": q, "passage": p, "skip_reason": pair_skip_reasons(q, p, invalid),
                 "text_repaired": pa.array(repaired, pa.bool_()),
             }))
@@ -193,8 +194,9 @@ def _matrix(column) -> np.ndarray:
 
 
 class PairWriter:
-    """Write operator of filter-pairs: stages kept pairs (and dropped ones with ``side_output``) per input shard and
-    returns one row per batch with the batch's counts as JSON (``stats``)."""
+    """Write operator of filter-pairs: stages kept pairs (and dropped ones with ``side_output``) per work unit
+    (:func:`operators.write.stage_by_unit`) and returns one row per (batch, work unit) with columns ``shard_index``,
+    ``unit_offset``, ``staged`` and ``stats`` (that unit's counts in this batch, JSON)."""
 
     def __init__(self, staging_dir: str, run_id: str, model: str, pool_size: int, k: int, side_output: bool = False,
                  storage: Storage = LOCAL):
@@ -202,12 +204,22 @@ class PairWriter:
         self.pool_size, self.k, self.side_output, self.storage = pool_size, k, side_output, storage
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from pairmine.operators.write import (
-            N_ABOVE_BINS,
-            STAGING_SORT_COLUMN,
-            staging_name,
-            write_table_atomic,
-        )
+        if "unit_offset" not in batch.column_names:
+            batch = batch.append_column("unit_offset", pa.array(np.zeros(batch.num_rows, np.int64)))
+        keys = np.stack([batch.column("shard_index").to_numpy().astype(np.int64),
+                         batch.column("unit_offset").to_numpy()], axis=1)
+        units = np.unique(keys, axis=0).tolist()
+        rows = [self._write_unit(batch.filter(pa.array((keys[:, 0] == s) & (keys[:, 1] == o)))) for s, o in units]
+        return pa.table({
+            "shard_index": pa.array([s for s, _ in units], pa.int32()),
+            "unit_offset": pa.array([o for _, o in units], pa.int64()),
+            "staged": pa.array([staged for staged, _ in rows], pa.list_(pa.string())),
+            "stats": [stats for _, stats in rows],
+        })
+
+    def _write_unit(self, batch: pa.Table) -> tuple[list[str], str]:
+        """Stage one work unit's rows of a batch; returns (files staged, counts as JSON)."""
+        from pairmine.operators.write import N_ABOVE_BINS, STAGING_SORT_COLUMN, stage_by_unit
 
         stats = Counter()
         reasons = batch.column("skip_reason").to_pylist()
@@ -222,7 +234,6 @@ class PairWriter:
         stats["pairs_dropped_consistency"] = int((usable & ~kept).sum())
         n = batch.column("n_above").to_numpy(zero_copy_only=False)
         hist = np.histogram(n[usable], bins=N_ABOVE_BINS)[0]
-        root = self.staging_dir
         staged = []
         for kind, mask in (("pairs", kept), ("dropped", usable & ~kept if self.side_output else np.zeros_like(kept))):
             part = batch.filter(pa.array(mask))
@@ -236,12 +247,8 @@ class PairWriter:
                 "model": pa.array([self.model] * part.num_rows, pa.string()),
                 STAGING_SORT_COLUMN: part.column("row_index"),
             })
-            shards = part.column("shard_index").to_numpy()
-            for shard in np.unique(shards):
-                piece = table.filter(pa.array(shards == shard))
-                name = staging_name(int(shard), piece.column(STAGING_SORT_COLUMN).to_numpy())
-                write_table_atomic(self.storage, piece, f"{root}/{kind}/{name}")
-                staged.append(f"{kind}/{name}")
+            staged += [name for _, name in stage_by_unit(self.storage, table, part.column("shard_index").to_numpy(),
+                                                         part.column("unit_offset").to_numpy(),
+                                                         f"{self.staging_dir}/{kind}", kind)]
         stats["n_above_histogram"] = hist.tolist()
-        return pa.table({"staged": pa.array([staged], pa.list_(pa.string())), "stats": [json.dumps(dict(stats))]})
-
+        return staged, json.dumps(dict(stats))

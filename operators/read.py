@@ -40,6 +40,7 @@ SKIP_REASONS = (NULL_ID, NULL_TEXT, EMPTY_TEXT, DUPLICATE_ID, DUPLICATE_TEXT, IN
 DOC_SCHEMA = pa.schema(
     [
         ("shard_index", pa.int32()),
+        ("unit_offset", pa.int64()),  # the row index of the first row of the document's work unit (its unit's key)
         ("row_index", pa.int64()),
         ("id", pa.string()),
         ("url", pa.string()),
@@ -504,7 +505,8 @@ class ReadDocuments:
         # Skipped documents keep their row (to be counted) but not their text.
         texts = pc.if_else(pc.is_null(reasons), cols.texts, pa.scalar(None, pa.string()))
         return pa.Table.from_arrays(
-            [pa.array(np.full(n, unit["shard_index"], np.int32)), pa.array(row_index), cols.ids, cols.urls, texts,
+            [pa.array(np.full(n, unit["shard_index"], np.int32)), pa.array(np.full(n, unit["row_offset"], np.int64)),
+             pa.array(row_index), cols.ids, cols.urls, texts,
              reasons, pa.array(np.asarray(cols.repaired, dtype=bool))],
             schema=DOC_SCHEMA,
         )

@@ -1,11 +1,12 @@
 """Write stage: document rows -> training-group rows in parquet, plus the counts that make stats.json (SPEC
 "Write").
 
-Each batch's groups are written, per input shard, to a staging file named by the shard and the row set it covers
-(published atomically, see :mod:`operators.storage`). When every document of a shard has passed, the driver runs
-:func:`compact_shard`, which merges the shard's staging files into its single, deterministically named part, sorted
-by (document row, anchor index), with any row staged twice kept once. The operator returns one small row per
-(batch, shard) with that shard's counts as JSON; the driver adds them up per shard.
+Each batch's groups are written, per work unit (an input shard's row group, or its whole JSONL file), to a staging
+file named by the shard and the row set it covers (published atomically, see :mod:`operators.storage`). The operator
+returns one small row per (batch, work unit) with that unit's counts as JSON; the driver adds them up per unit, records
+each unit as it completes (so a resumed run keeps it, :mod:`pipeline.run_folder`), and when every document of a shard
+has passed runs :func:`compact_shard`, which merges the shard's staging files into its single, deterministically
+named part, sorted by (document row, anchor index), with any row staged twice kept once.
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def read_table(storage: Storage, path: str) -> pa.Table:
 
 class GroupWriter:
     """Write operator. Input: document rows after the related stage (and the consistency filter, when it runs).
-    Output: one row per (batch, input shard) with columns ``shard_index``, ``staged`` (list<string>, staging files
-    written) and ``stats`` (JSON of that shard's counts in this batch).
+    Output: one row per (batch, work unit) with columns ``shard_index``, ``unit_offset`` (the unit's first row in its
+    shard), ``staged`` (list<string>, staging files written) and ``stats`` (JSON of that unit's counts in this
+    batch). Rows without a ``unit_offset`` column count as one unit per shard (offset 0).
 
     Args:
         staging_dir: folder (local path or URL) for staging files (``groups/`` and ``dropped/`` below it).
@@ -114,15 +116,17 @@ class GroupWriter:
         self.passage_prefix = passage_prefix
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        per_shard: dict[int, _ShardCounts] = {}
+        per_unit: dict[tuple[int, int], _ShardCounts] = {}
         out = {"groups": _GroupRows(), "dropped": _GroupRows()}
+        if "unit_offset" not in batch.column_names:
+            batch = batch.append_column("unit_offset", pa.array(np.zeros(batch.num_rows, np.int64)))
         docs = batch.select(
-            ["shard_index", "row_index", "id", "url", "skip_reason", "text_repaired", "passages", "centrality", "groups",
+            ["shard_index", "unit_offset", "row_index", "id", "url", "skip_reason", "text_repaired", "passages", "centrality", "groups",
              "no_group_reason", "n_short_passages", "n_duplicate_passages", "n_truncated_passages"]
             + [c for c in ("n_token_split_passages", "n_token_truncated", "n_vector_reused") if c in batch.column_names]
         ).to_pylist()
         for d in docs:
-            c = per_shard.setdefault(d["shard_index"], _ShardCounts())
+            c = per_unit.setdefault((d["shard_index"], d["unit_offset"]), _ShardCounts())
             stats = c.stats
             stats["docs_in"] += 1
             stats["docs_text_repaired"] += bool(d["text_repaired"])  # invalid UTF-8 replaced with U+FFFD, kept
@@ -169,20 +173,21 @@ class GroupWriter:
                 out["groups"].add(self, d, g)
             stats["passages_in_groups"] += len(used)
 
-        staged: dict[int, list[str]] = {shard: [] for shard in per_shard}
+        staged: dict[tuple[int, int], list[str]] = {unit: [] for unit in per_unit}
         for kind, rows in out.items():
-            for shard, name in rows.stage(self.storage, f"{self.staging_dir}/{kind}", kind):
-                staged[shard].append(name)
-        shards = sorted(per_shard)
+            for unit, name in rows.stage(self.storage, f"{self.staging_dir}/{kind}", kind):
+                staged[unit].append(name)
+        units = sorted(per_unit)
         return pa.table({
-            "shard_index": pa.array(shards, pa.int32()),
-            "staged": pa.array([staged[s] for s in shards], pa.list_(pa.string())),
-            "stats": [json.dumps(per_shard[s].as_dict()) for s in shards],
+            "shard_index": pa.array([s for s, _ in units], pa.int32()),
+            "unit_offset": pa.array([o for _, o in units], pa.int64()),
+            "staged": pa.array([staged[u] for u in units], pa.list_(pa.string())),
+            "stats": [json.dumps(per_unit[u].as_dict()) for u in units],
         })
 
 
 class _ShardCounts:
-    """One shard's counts and histograms within one batch."""
+    """One work unit's counts and histograms within one batch."""
 
     def __init__(self):
         self.stats: Counter = Counter()
@@ -196,11 +201,11 @@ class _ShardCounts:
 
 
 class _GroupRows:
-    """Group rows of one batch, column by column, with the shard of each, staged per shard."""
+    """Group rows of one batch, column by column, with the work unit of each, staged per unit."""
 
     def __init__(self):
         self.cols: dict[str, list] = {name: [] for name in (*GROUP_SCHEMA.names, STAGING_SORT_COLUMN)}
-        self.shards: list[int] = []
+        self.units: list[tuple[int, int]] = []
 
     def add(self, w: GroupWriter, d: dict, g: dict) -> None:
         a, rel, passages, c = g["anchor_index"], g["related_indices"], d["passages"], self.cols
@@ -214,21 +219,34 @@ class _GroupRows:
         }
         for name, value in values.items():
             c[name].append(value)
-        self.shards.append(d["shard_index"])
+        self.units.append((d["shard_index"], d["unit_offset"]))
 
-    def stage(self, storage: Storage, root: str, kind: str) -> list[tuple[int, str]]:
-        """Write one staging file per shard; returns (shard, name relative to the staging folder)."""
-        if not self.shards:
+    def stage(self, storage: Storage, root: str, kind: str) -> list[tuple[tuple[int, int], str]]:
+        """Write one staging file per work unit; returns ((shard, unit offset), name relative to the staging
+        folder)."""
+        if not self.units:
             return []
         table = pa.Table.from_pydict(self.cols, schema=GROUP_SCHEMA.append(pa.field(STAGING_SORT_COLUMN, pa.int64())))
-        shards = np.asarray(self.shards)
-        names = []
-        for shard in np.unique(shards):
-            part = table.filter(pa.array(shards == shard))
-            name = staging_name(int(shard), part.column(STAGING_SORT_COLUMN).to_numpy())
-            write_table_atomic(storage, part, f"{root}/{name}")
-            names.append((int(shard), f"{kind}/{name}"))
-        return names
+        return stage_by_unit(storage, table, [s for s, _ in self.units], [o for _, o in self.units], root, kind)
+
+
+def stage_by_unit(storage: Storage, table: pa.Table, shards, unit_offsets, root: str, kind: str
+                  ) -> list[tuple[tuple[int, int], str]]:
+    """Write ``table`` (rows with ``STAGING_SORT_COLUMN``) as one staging file per work unit under ``root``
+    (:func:`staging_name`: ``shard-NNNNN/rows-FIRST-LAST-HASH.parquet``, so a file's rows lie inside one unit).
+    ``shards``, ``unit_offsets``: each row's shard and unit (its first row), (rows,).
+
+    Returns:
+        ((shard, unit offset), ``kind/`` + name) of each file written.
+    """
+    keys = np.stack([np.asarray(shards, np.int64), np.asarray(unit_offsets, np.int64)], axis=1)
+    names = []
+    for shard, offset in np.unique(keys, axis=0).tolist():
+        part = table.filter(pa.array((keys[:, 0] == shard) & (keys[:, 1] == offset)))
+        name = staging_name(int(shard), part.column(STAGING_SORT_COLUMN).to_numpy())
+        write_table_atomic(storage, part, f"{root}/{name}")
+        names.append(((int(shard), int(offset)), f"{kind}/{name}"))
+    return names
 
 
 _STAGED_ROWS = re.compile(r"rows-(\d+)-(\d+)-[0-9a-f]+\.parquet$")

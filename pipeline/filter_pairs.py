@@ -6,7 +6,11 @@ pairs, seed 004 chapter 1).
                        document corpus (consistency.pool_path, chunked like pairmine mine), embedded once, put in
                        Ray's object store
     read -> embed (query prefix / passage prefix) -> consistency count -> write (staging)    one row per pair
-    compact, commit    one part per input shard, stats.json, manifest.json, _SUCCESS last
+    compact, commit    one part per input shard as soon as its pairs are staged, then stats.json, manifest.json,
+                       _SUCCESS last
+
+The run lifecycle is mine's (:mod:`pipeline.run_folder`): a killed run re-run with the same ``--run-id`` keeps the
+committed shards and the completed work units (row groups) of the others, and filters only the rest.
 
 Run folder layout: ``pairs/part-NNNNN.parquet`` (kept pairs), ``dropped/`` (with consistency.side_output),
 ``stats.json``, ``manifest.json``, ``_SUCCESS``.
@@ -15,7 +19,6 @@ Run folder layout: ``pairs/part-NNNNN.parquet`` (kept pairs), ``dropped/`` (with
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import platform
 import time
@@ -30,13 +33,11 @@ from pairmine.pipeline.inputs import (
     PoolSpec, check_parquet_shards, discover_shards, pool_sample, shard_pool,
 )
 from pairmine.pipeline.mine import (
-    MineResult, Progress, RunExistsError, _load_pool, _shard_dict,
-    check_model, embed_pool, merge_stats, model_id, new_run_id, write_json,
+    MineResult, Progress, _load_pool, _shard_dict, check_model, embed_pool, model_id, new_run_id, result_config,
 )
-from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
-from pairmine.pipeline.ray_adapter import (
-    Stage, apply_stage, configure_data, init_ray, plan_for, run_remote, watched,
-)
+from pairmine.pipeline.provenance import software_versions
+from pairmine.pipeline.ray_adapter import Stage, configure_data, init_ray, plan_for, run_remote
+from pairmine.pipeline.run_folder import Parts, RunFolder, merge_stats, unit_key
 
 log = logging.getLogger("pairmine")
 
@@ -110,40 +111,37 @@ def _make_write(staging: str, run_id: str, model: str, pool_size: int, k: int, s
     return PairWriter(staging, run_id, model, pool_size, k, side_output, storage)
 
 
-def _compact(staging: str, out: str, shard_index: int, storage):
-    from pairmine.operators.pairs import PAIR_SCHEMA
-    from pairmine.operators.write import STAGING_SORT_COLUMN, compact_shard
-
-    path, n, _ = compact_shard(staging, out, shard_index, PAIR_SCHEMA, (STAGING_SORT_COLUMN,), storage)
-    return path, n
-
-
 def filter_pairs(cfg: MineConfig) -> MineResult:
     """Run the pair filter with a validated config; returns the run folder and its stats.
 
+    Exactly once, as :func:`pipeline.mine.mine`: each work unit is recorded when all its pairs are staged, each
+    input shard committed when all its units are; a re-run with the same run id checks that inputs and config are
+    unchanged and filters only what is left.
+
     Raises:
         ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError: user errors, before any work.
+        StorageError: a read or write failed for good.
     """
     import ray
 
-    from pairmine.operators.pairs import PAIR_SKIP_REASONS
-    from pairmine.operators.write import N_ABOVE_BINS
+    from pairmine.operators.pairs import PAIR_SCHEMA, PAIR_SKIP_REASONS
+    from pairmine.operators.write import N_ABOVE_BINS, STAGING_SORT_COLUMN
 
     t0 = time.time()
     c = cfg.consistency
     run_id = cfg.output.run_id or new_run_id()
     storage = cfg.storage_layer()
-    out = cfg.output.path.rstrip("/") or "."
-    if (storage.info(out) or {}).get("type") == "file":
-        raise ConfigError(f"output.path = {cfg.output.path!r} is a file; it must be a folder (created if missing)")
-    run_dir = f"{out}/{run_id}"
-    if storage.exists(f"{run_dir}/{SUCCESS_MARKER}"):
-        raise RunExistsError(f"run {run_id} in {cfg.output.path} is already committed; choose another --run-id")
+    folder = RunFolder(cfg.output.path, run_id, storage, Parts("pairs", "pairs_kept", "pairs_in", PAIR_SCHEMA,
+                                                               (STAGING_SORT_COLUMN,),
+                                                               "dropped" if c.side_output else None))
+    folder.check_output()
     if not cfg.input.path:
         raise ConfigError("filter-pairs needs --input (a parquet/JSONL file, folder or glob of pairs)")
     if not c.enabled:
         raise ConfigError("consistency.enabled = False: filter-pairs is the consistency filter and cannot run without it")
     shards = discover_shards(cfg.input.path, cfg.input.format, storage)
+    prior = folder.check_new({"run_id": run_id, "inputs": [_shard_dict(s) for s in shards],
+                              "config": result_config(cfg)})
     check_parquet_shards(shards, (cfg.input.query_column, cfg.input.passage_column), storage,
                          text_columns=(cfg.input.query_column, cfg.input.passage_column))
     pool_shards = None
@@ -157,20 +155,21 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
     stage_plan = plan_for(cfg, c.num_actors)
-    log.info("filter-pairs run %s -> %s: %d input shard(s); Ray %s", run_id, run_dir, len(shards), where)
+    log.info("filter-pairs run %s -> %s: %d input shard(s); Ray %s", run_id, folder.dir, len(shards), where)
     log.info("stage plan: %s", stage_plan.describe())
 
     # ---- plan and pool --------------------------------------------------------------------------------------------
     own_pool = c.pool_size if pool_shards is None else 0
     plans = run_remote(_plan_shard, [(s, cfg, own_pool, c.seed) for s in shards])
-    pairs_expected = sum(sum(layout) for layout, _ in plans)
-    units = []
+    units, unit_rows = [], {}
     for shard, (layout, _) in zip(shards, plans):
         offset = 0
         for g, rows in enumerate(layout):
             units.append({"shard_index": shard.index, "path": shard.path, "format": shard.format,
                           "row_group": g if shard.format == "parquet" else -1, "row_offset": offset, "duplicates": ""})
+            unit_rows[(shard.index, offset)] = rows
             offset += rows
+    pairs_expected = sum(unit_rows.values())
     # Pool passages are keyed by their text in filter-pairs: a passage that appears several times (in several pairs
     # or documents) enters the pool once, and the pair's own passage never counts against it.
     if pool_shards is None:
@@ -183,56 +182,54 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         pool_source = c.pool_path
     pool_passages, pool_hashes = pool_sample(candidates, c.pool_size, unique=True)
     del plans
-
+    todo = folder.open({"run_id": run_id, "inputs": [_shard_dict(s) for s in shards], "config": result_config(cfg)},
+                       units, unit_rows, "filter-pairs run")
+    uncommitted = [s for s in shards if s.index not in folder.records]
     actors, threads, device = stage_plan.embed_actors, stage_plan.threads, stage_plan.device
     batch, light = cfg.ray.docs_per_batch, stage_plan.light_cpus
     gpu_embed, gpu_filter = stage_plan.embed_gpus, stage_plan.filter_gpus
-    t_pool = time.time()
-    pool_vectors, pool_hashes = embed_pool(
-        pool_passages, pool_hashes,
-        Stage("embed", partial(_make_pool_embed, cfg, threads, device), batch_size=batch, actors=actors,
-              num_cpus=stage_plan.embed_cpus, num_gpus=gpu_embed),
-        cfg.ray.stall_warn_s, cfg.ray.stall_limit_s,
-    )
-    pool_size = len(pool_vectors)
-    pool_ref = ray.put((pool_vectors, pool_hashes))
-    del pool_vectors, pool_passages
-    if pool_size == 0:
-        log.warning("the pool is empty (no usable passage in %s): every usable pair will be kept", pool_source)
-    log.info("pool: %d passages from %s embedded in %.1f s (asked for %d); keep iff n_above < %d; query prefix %r, "
-             "passage prefix %r", pool_size, pool_source, time.time() - t_pool, c.pool_size, c.k,
-             cfg.resolved_query_prefix(), cfg.resolved_prefix())
+    pool_size = next((r["pool_size"] for r in folder.records.values() if r.get("pool_size") is not None), None)
+    if uncommitted:
+        t_pool = time.time()
+        pool_vectors, pool_hashes = embed_pool(
+            pool_passages, pool_hashes,
+            Stage("embed", partial(_make_pool_embed, cfg, threads, device), batch_size=batch, actors=actors,
+                  num_cpus=stage_plan.embed_cpus, num_gpus=gpu_embed),
+            cfg.ray.stall_warn_s, cfg.ray.stall_limit_s,
+        )
+        pool_size = len(pool_vectors)
+        pool_ref = ray.put((pool_vectors, pool_hashes))
+        del pool_vectors, pool_passages
+        if pool_size == 0:
+            log.warning("the pool is empty (no usable passage in %s): every usable pair will be kept", pool_source)
+        log.info("pool: %d passages from %s embedded in %.1f s (asked for %d); keep iff n_above < %d; query prefix "
+                 "%r, passage prefix %r", pool_size, pool_source, time.time() - t_pool, c.pool_size, c.k,
+                 cfg.resolved_query_prefix(), cfg.resolved_prefix())
 
-    # ---- the streaming pass -----------------------------------------------------------------------------------------
-    staging = f"{run_dir}/_staging"
-    storage.rm(staging)  # leftovers of an interrupted attempt of this run id
-    storage.makedirs(run_dir)
-    stages = [
-        Stage("read_pairs", partial(_make_read, cfg), batch_size=1, num_cpus=light),
-        Stage("embed_pairs", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
-              num_cpus=stage_plan.embed_cpus, num_gpus=gpu_embed),
-        Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb), batch_size=batch,
-              actors=stage_plan.filter_actors, num_cpus=light, num_gpus=gpu_filter),
-        Stage("write_pairs", partial(_make_write, staging, run_id, model_id(cfg), pool_size, c.k, c.side_output,
-                                            storage),
-              batch_size=batch, num_cpus=light),
-    ]
-    ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
-    for stage in stages:
-        ds = apply_stage(ds, stage)
-    summaries, progress = [], Progress(pairs_expected, unit="pairs", counted="kept")
-    done = lambda: f"{progress.docs} / {progress.total} pairs"  # noqa: E731
-    for row in watched(ds.iter_rows(), stages, done, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s):
-        summaries.append(json.loads(row["stats"]))
-        progress.update(summaries[-1].get("pairs_in", 0), summaries[-1].get("pairs_kept", 0))
-    progress.done()
-    parts = run_remote(_compact, [(f"{staging}/pairs", f"{run_dir}/pairs", s.index, storage) for s in shards])
-    if c.side_output:
-        run_remote(_compact, [(f"{staging}/dropped", f"{run_dir}/dropped", s.index, storage) for s in shards])
-    storage.rm(staging)
+        # ---- the streaming pass, a commit per shard -----------------------------------------------------------------
+        stages = [
+            Stage("read_pairs", partial(_make_read, cfg), batch_size=1, num_cpus=light),
+            Stage("embed_pairs", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
+                  num_cpus=stage_plan.embed_cpus, num_gpus=gpu_embed),
+            Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb), batch_size=batch,
+                  actors=stage_plan.filter_actors, num_cpus=light, num_gpus=gpu_filter),
+            Stage("write_pairs", partial(_make_write, folder.staging, run_id, model_id(cfg), pool_size, c.k,
+                                         c.side_output, storage),
+                  batch_size=batch, num_cpus=light),
+        ]
+        hint = (f"the shards committed so far stay in {folder.dir}: run the same command with --run-id {run_id} to "
+                "resume")
+        folder.stream(stages, [_shard_dict(s) | {"index": s.index, "pool_size": pool_size} for s in uncommitted],
+                      todo, {k: n for k, n in unit_rows.items() if k[0] not in folder.records},
+                      Progress(sum(unit_rows[unit_key(u)] for u in todo), unit="pairs", counted="kept"),
+                      cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, hint, None, light)
 
     # ---- commit -----------------------------------------------------------------------------------------------------
-    total, hists = merge_stats(summaries)
+    records = folder.records
+    missing = [s.index for s in shards if s.index not in records]
+    if missing:
+        raise RuntimeError(f"shards {missing[:10]} were not committed; re-run with --run-id {run_id} to finish them")
+    total, hists = merge_stats([records[s.index]["stats"] for s in shards])
     skipped = {r: int(total.get(f"pairs_skipped.{r}", 0)) for r in PAIR_SKIP_REASONS}
     pairs_in, kept, dropped = int(total["pairs_in"]), int(total["pairs_kept"]), int(total["pairs_dropped_consistency"])
     usable = kept + dropped
@@ -250,15 +247,21 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         "consistency_k": c.k,
         "n_above_histogram": {"bin_edges": [int(x) for x in N_ABOVE_BINS[:-1]] + ["inf"],
                               "counts": hists.get("n_above_histogram", [0] * (len(N_ABOVE_BINS) - 1))},
+        "shards": len(shards),
+        "shards_resumed": len(shards) - len(uncommitted),
+        "units": len(units),
+        "units_resumed": len(units) - len(todo),
         "elapsed_s": round(elapsed, 2),
         "pairs_per_s": round(pairs_in / elapsed, 3) if elapsed else 0.0,
     }
     stats["reconciled"] = pairs_in == usable + stats["pairs_skipped_total"] == pairs_expected
-    if not stats["reconciled"] or sum(n for _, n in parts) != kept:
-        raise RuntimeError(f"counts do not reconcile: {stats}, parts hold {sum(n for _, n in parts)} pairs")
+    if not stats["reconciled"] or sum(records[s.index]["rows"] for s in shards) != kept:
+        raise RuntimeError(f"counts do not reconcile: {stats}, parts hold "
+                           f"{sum(records[s.index]['rows'] for s in shards)} pairs")
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     manifest = {
         "run_id": run_id, "job": "filter-pairs",
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": (prior or {}).get("created_utc") or now, "committed_utc": now,
         "config": cfg.to_dict(),
         "resolved": {"model": model_id(cfg), "query_prefix": cfg.resolved_query_prefix(),
                      "passage_prefix": cfg.resolved_prefix(), "embed_device": device, "ray": where,
@@ -266,14 +269,12 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         "consistency": {"pool_size": pool_size, "pool_size_requested": c.pool_size, "pool_source": pool_source,
                         "k": c.k, "seed": c.seed, "side_output": "dropped/" if c.side_output else None},
         "inputs": [_shard_dict(s) for s in shards],
-        "shards": [{"shard_index": s.index, "part": f"pairs/{p.rsplit('/', 1)[-1]}", "pairs": n, "status": "committed"}
-                   for s, (p, n) in zip(shards, parts)],
+        "shards": [{"shard_index": s.index, "part": records[s.index]["part"], "pairs": records[s.index]["rows"],
+                    "status": "committed", "committed_utc": records[s.index]["committed_utc"]} for s in shards],
         "versions": software_versions(), "host": platform.node(),
     }
-    write_json(storage, f"{run_dir}/stats.json", stats)
-    write_json(storage, f"{run_dir}/manifest.json", manifest)
-    storage.write_bytes(f"{run_dir}/{SUCCESS_MARKER}", (run_id + "\n").encode())
+    folder.finalize(stats, manifest)
     log.info("done in %.1f s: kept %d of %d usable pairs (%.1f%%; n_above < %d against %d pool passages); %d skipped "
              "-> %s", elapsed, kept, usable, stats["consistency_keep_rate_pct"], c.k, pool_size,
-             stats["pairs_skipped_total"], run_dir)
-    return MineResult(run_dir=run_dir, stats=stats)
+             stats["pairs_skipped_total"], folder.dir)
+    return MineResult(run_dir=folder.dir, stats=stats)

@@ -231,6 +231,7 @@ class FirstPass:
     Attributes:
         rows_per_shard: rows of every shard, by shard index.
         units: the read operator's work units (``operators.read.UNIT_SCHEMA``), one per row group / JSONL file.
+        unit_rows: rows of each unit, by (shard index, the unit's first row) (``pipeline.run_folder.unit_key``).
         duplicates: ids that repeat an earlier one (rows skipped as ``duplicate_id``), over the whole input.
         duplicate_texts: rows skipped as ``duplicate_text`` (their exact text is an earlier usable row's, and they
             are not a ``duplicate_id``), over the whole input; 0 when not looked for.
@@ -252,6 +253,7 @@ class FirstPass:
     ranges: int = 1
     duplicate_texts: int = 0
     figures: dict = field(default_factory=dict)  # the first pass's row of the per-stage figures (stats.json)
+    unit_rows: dict[tuple[int, int], int] = field(default_factory=dict)
 
     @property
     def docs(self) -> int:
@@ -373,9 +375,10 @@ def first_pass(shards: list[Shard], layout: dict[int, list[int]], params: ScanPa
             for i in indexes:
                 ray.kill(i)
     rows_per_shard = {s.index: 0 for s in shards}
-    units = []
+    units, unit_rows = [], {}
     for shard, rg, offset, _ in todo:
         rows_per_shard[shard.index] += rows_by_unit[(shard.index, rg)]
+        unit_rows[(shard.index, offset)] = rows_by_unit[(shard.index, rg)]
         units.append({"shard_index": shard.index, "path": shard.path, "format": shard.format, "row_group": rg,
                       "row_offset": offset, "duplicates": paths.get(shard.index, "")})
     chosen = pool.result()
@@ -384,7 +387,7 @@ def first_pass(shards: list[Shard], layout: dict[int, list[int]], params: ScanPa
         duplicate_texts=sum(w[2] for w in written),
         sample=[t for *_, t in sample.result()],
         pool_passages=[t for *_, t in chosen], pool_hashes=np.array([c[3] for c in chosen], dtype=np.int64),
-        content_hashes=content, ranges=ranges,
+        content_hashes=content, ranges=ranges, unit_rows=unit_rows,
         figures={"stage": "first pass", "wall_s": round(time.time() - t0, 2), "busy_s": round(busy, 2),
                  "cpu_s": round(cpu, 2), "tasks": len(_tasks(todo)), "rows_out": sum(rows_by_unit.values())},
     )

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import io
-import json
 import logging
 import os
 import platform
@@ -38,16 +37,11 @@ from pairmine.pipeline.inputs import (
 from pairmine.pipeline.ray_adapter import (
     Stage, apply_stage, configure_data, format_stage_figures, init_ray, plan_for, stage_figures, watched,
 )
+from pairmine.pipeline.run_folder import (  # noqa: F401 - RunExistsError, merge_stats, write_json re-exported
+    LATEST_POINTER, Parts, RunExistsError, RunFolder, merge_stats, read_json, unit_key, write_json,
+)
 
 log = logging.getLogger("pairmine")
-
-STATE_DIR = "_state"  # plan.json (inputs + config of the first attempt) and one commit record per committed shard
-LATEST_POINTER = "_latest.json"  # beside the run folders: the most recently committed run (format 1, see README)
-
-
-class RunExistsError(RuntimeError):
-    """The run folder already holds a committed run (a ``_SUCCESS`` marker)."""
-
 
 @dataclass
 class MineResult:
@@ -220,42 +214,6 @@ def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage, 
     return np.concatenate(mats), np.concatenate(hashes).astype(np.int64)
 
 
-def commit_shard(run_dir: str, shard: dict, stats: dict, side_output: bool, storage) -> dict:
-    """Make one input shard's output visible: compact its staging files into ``groups/part-NNNNN.parquet`` (and
-    ``dropped/``), check the part against the write stage's count, then write the shard's commit record
-    ``_state/shard-NNNNN.json`` (the shard's counts; its existence is what "committed" means). Runs as a Ray task.
-
-    Raises:
-        RuntimeError: the part holds another number of groups than the write stage counted.
-        StorageError: a staging file, the part or the record cannot be read or written.
-    """
-    from pairmine.operators.write import compact_shard
-
-    i = shard["index"]
-    path, n, dup = compact_shard(f"{run_dir}/_staging/groups", f"{run_dir}/groups", i, storage=storage)
-    if n != stats.get("groups", 0):
-        raise RuntimeError(f"shard {i} ({shard['path']}): part holds {n} groups, the write stage counted "
-                           f"{stats.get('groups', 0)}")
-    dropped = None
-    if side_output:
-        _, dropped, _ = compact_shard(f"{run_dir}/_staging/dropped", f"{run_dir}/dropped", i, storage=storage)
-    record = {"shard_index": i, "path": shard["path"], "key": shard["key"], "part": f"groups/{path.rsplit('/', 1)[-1]}",
-              "groups": n, "dropped_groups": dropped, "staged_twice": dup, "pool_size": shard.get("pool_size"),
-              "stats": stats,
-              "committed_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
-    write_json(storage, f"{run_dir}/{STATE_DIR}/shard-{i:05d}.json", record)
-    return record
-
-
-def read_json(storage, path: str):
-    return json.loads(storage.read_bytes(path))
-
-
-def write_json(storage, path: str, obj) -> None:
-    """Write ``obj`` as indented JSON, atomically (readers see the old or the whole new file)."""
-    storage.write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
-
-
 # Config sections/keys that do not change a run's groups: a resumed run may change them.
 _NOT_RESULT_KEYS = {"output", "ray", "storage"}
 _NOT_RESULT_FIELDS = {("input", "incremental"), ("input", "new_lineage"), ("embed", "num_actors"), ("embed", "threads"),
@@ -268,26 +226,6 @@ def result_config(cfg: MineConfig) -> dict:
     d = cfg.to_dict()
     return {sec: {k: v for k, v in vals.items() if (sec, k) not in _NOT_RESULT_FIELDS}
             for sec, vals in d.items() if sec not in _NOT_RESULT_KEYS}
-
-
-def check_resume(plan: dict, prior: dict, run_id: str) -> None:
-    """Refuse to resume run ``run_id`` when its inputs or result-deciding config differ from the first attempt's.
-
-    Raises:
-        RunExistsError: naming what differs.
-    """
-    if [s["key"] for s in prior["inputs"]] != [s["key"] for s in plan["inputs"]]:
-        old = {s["key"] for s in prior["inputs"]}
-        new = {s["key"] for s in plan["inputs"]}
-        changed = sorted(k.split("|")[0] for k in old ^ new)[:3]
-        raise RunExistsError(
-            f"run {run_id} was started on other input shards ({len(prior['inputs'])} then, {len(plan['inputs'])} now; "
-            f"differing: {', '.join(changed) or 'their order'}); resume it with the same input, or use a new --run-id")
-    diffs = [f"{sec}.{k}" for sec, vals in plan["config"].items() for k, v in vals.items()
-             if prior["config"].get(sec, {}).get(k) != v]
-    if diffs:
-        raise RunExistsError(f"run {run_id} was started with another config ({', '.join(diffs[:5])} differ); resume it "
-                             "with the same config, or use a new --run-id")
 
 
 LINEAGE_SECTIONS = ("chunk", "embed", "anchors", "related", "consistency", "tfidf")
@@ -361,23 +299,6 @@ def committed_runs(output: str, storage) -> list[dict]:
             continue
         runs.append({**manifest, "run_dir": folder})
     return sorted(runs, key=lambda m: (m.get("committed_utc") or m.get("created_utc") or "", m.get("run_id", "")))
-
-
-def merge_stats(parts: list[dict]) -> tuple[Counter, dict[str, list[int]]]:
-    """Add up the write operator's per-batch counts; histograms (lists) are added element-wise.
-
-    Returns:
-        (counts, histograms).
-    """
-    total: Counter = Counter()
-    hists: dict[str, list[int]] = {}
-    for p in parts:
-        for k, v in p.items():
-            if isinstance(v, list):
-                hists[k] = [a + b for a, b in zip(hists[k], v)] if k in hists else list(v)
-            else:
-                total[k] += v
-    return total, hists
 
 
 def before_filter_figures(total: Counter, processed: int, eligible: int) -> dict:
@@ -515,15 +436,115 @@ def _uploaded_again(shard, hashes_by_place: dict[tuple, set], storage) -> bool:
     return False
 
 
+def _select_shards(cfg: MineConfig, shards: list, storage, out: str, run_id: str) -> tuple[list, str, dict]:
+    """The shards this run mines, its lineage id and lineage settings. A run joins the lineage of the latest committed
+    run in the output when its settings are equal; an incremental run with other settings is refused unless asked
+    for a new lineage; a full run with other settings starts one. With ``input.incremental``, shards that a
+    committed run of the lineage already mined (same key, or a multipart object uploaded again with the same bytes)
+    are left out and the rest re-indexed from 0.
+
+    Raises:
+        LineageError: see :func:`choose_lineage`.
+    """
+    settings = lineage_settings(cfg.to_dict(), {"model": model_id(cfg), "passage_prefix": cfg.resolved_prefix(),
+                                                "anchor_threshold": cfg.resolved_threshold()})
+    lineage_id, runs = choose_lineage(committed_runs(out, storage), settings, run_id,
+                                      cfg.input.new_lineage or not cfg.input.incremental, cfg.output.path)
+    if not cfg.input.incremental:
+        return shards, lineage_id, settings
+    mined = {s["key"] for run in runs for s in run.get("inputs", [])}
+    hashes_by_place: dict[tuple, set] = {}  # (path, size) -> content hashes recorded for multipart objects
+    for run in runs:
+        for s in run.get("inputs", []):
+            if s.get("sha256"):
+                hashes_by_place.setdefault((s.get("path"), s.get("size")), set()).add(s["sha256"])
+    new = [s for s in shards if s.key not in mined and not _uploaded_again(s, hashes_by_place, storage)]
+    log.info("incremental: %d of %d input shard(s) not yet mined by a committed run of lineage %s under %s",
+             len(new), len(shards), lineage_id, out)
+    return [dataclasses.replace(s, index=i) for i, s in enumerate(new)], lineage_id, settings
+
+
+def _fit_tfidf(cfg: MineConfig, sample: list[str]):
+    """The run's TF-IDF (IDF fitted on the first pass's seeded sample, chunked like the documents).
+
+    Returns:
+        (CorpusTfidf, number of sample passages, a warning for the manifest or None). With no usable word in the
+        whole sample (e.g. every document skipped) there are no IDF statistics: every word is unseen and weighs the
+        same (idf 1), so lexical scores are term-frequency cosines; said in the log and the manifest.
+    """
+    from pairmine.operators.chunk import chunk_text
+    from pairmine.operators.related import EmptySampleError, fit_tfidf, unfitted_tfidf
+
+    limit = cfg.token_limit()
+    passages = [p for text in sample
+                for p in chunk_text(text, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages,
+                                    limit).passages]
+    try:
+        return fit_tfidf(passages, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf), len(passages), None
+    except EmptySampleError as e:
+        log.warning("%s; lexical (TF-IDF) scores will use no IDF (every word weighs the same)", e)
+        return unfitted_tfidf(cfg.tfidf.sublinear_tf), len(passages), str(e)
+
+
+def _mining_stages(cfg: MineConfig, stage_plan, tfidf, folder: RunFolder, first, figures: list, hint: str
+                   ) -> tuple[list[Stage], int | None]:
+    """The streaming pass's stages (read, chunk, embed, centrality, related, [consistency], write) and the pool
+    size. With the consistency filter on, the pool (the first pass's seeded candidates) is embedded here with the
+    run's embed stage and put in Ray's object store; the main pass then takes a passage's vector from the pool when
+    the pool pass already computed it (keyed by the prefixed text) instead of embedding it twice."""
+    import ray
+
+    from pairmine.operators.embed import known_vectors
+
+    c, batch = cfg.consistency, cfg.ray.docs_per_batch
+    actors, threads, device = stage_plan.embed_actors, stage_plan.threads, stage_plan.device
+    light = stage_plan.light_cpus
+
+    def embed(known=None):
+        return Stage("embed", partial(_make_embed, cfg, threads, device, known), batch_size=batch, actors=actors,
+                     num_cpus=stage_plan.embed_cpus, num_gpus=stage_plan.embed_gpus)
+
+    stages = [
+        Stage("read", partial(_make_read, cfg), batch_size=1, num_cpus=light),
+        Stage("chunk", partial(_make_chunk, cfg), batch_size=batch, num_cpus=light),
+        embed(),
+        Stage("centrality", _make_centrality, batch_size=batch, num_cpus=light),
+        Stage("related", partial(_make_related, cfg, tfidf), batch_size=batch, num_cpus=light),
+    ]
+    pool_size = None
+    if c.enabled:
+        t_pool = time.time()
+        pool_texts: list[str] = []  # the pool passages in the order of pool_vectors' rows
+        pool_vectors, pool_hashes = embed_pool(first.pool_passages, first.pool_hashes, stages[2],
+                                               cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, hint, pool_texts, figures)
+        pool_size = len(pool_vectors)
+        pool_ref = ray.put((pool_vectors, pool_hashes))
+        keys, rows, _ = known_vectors([cfg.resolved_prefix() + p for p in pool_texts], pool_vectors)
+        stages[2] = embed((ray.put((keys, rows)), pool_ref))
+        if pool_size == 0:
+            log.warning("the consistency pool is empty (the input has no usable passage): every group will be kept")
+        log.info("consistency pool: %d passages embedded in %.1f s (asked for %d; k = %d); the main pass reuses "
+                 "their vectors", pool_size, time.time() - t_pool, c.pool_size, c.k)
+        stages.append(Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb),
+                            batch_size=batch, actors=stage_plan.filter_actors, num_cpus=light,
+                            num_gpus=stage_plan.filter_gpus))
+    stages.append(Stage("write", partial(_make_write, folder.staging, folder.run_id, model_id(cfg),
+                                         cfg.resolved_threshold(), pool_size, c.k if c.enabled else None,
+                                         folder.parts.side is not None, folder.storage, cfg.resolved_prefix()),
+                        batch_size=batch, num_cpus=light))
+    return stages, pool_size
+
+
 def mine(cfg: MineConfig) -> MineResult:
     """Run the main job with a validated config. Returns the run folder and its stats.
 
-    Exactly once: every input shard's part is committed on its own (part, then its commit record under
-    ``_state/``) as soon as all its documents are written; a re-run with the same run id checks that inputs and
-    config are unchanged, skips the committed shards and mines the rest; ``stats.json``, ``manifest.json`` and the
-    ``_SUCCESS`` marker come last, then the ``_latest.json`` pointer beside the runs. With ``input.incremental``,
-    shards that a committed run under ``output.path`` already mined (same path, size and ETag/content hash) are left
-    out; when none is left, no run folder is made and ``MineResult.run_dir`` is None.
+    Exactly once (:mod:`pipeline.run_folder`): every work unit is recorded as soon as all its documents are staged,
+    and every input shard's part is committed on its own (part, then its commit record under ``_state/``) as soon as
+    all its units are; a re-run with the same run id checks that inputs and config are unchanged, keeps the committed
+    shards and recorded units, and mines the rest; ``stats.json``, ``manifest.json`` and the ``_SUCCESS`` marker come
+    last, then the ``_latest.json`` pointer beside the runs. With ``input.incremental``, shards that a committed run
+    under ``output.path`` already mined (same path, size and ETag/content hash) are left out; when none is left, no
+    run folder is made and ``MineResult.run_dir`` is None.
 
     Raises:
         FileNotFoundError: no input. InputError: an input file is unusable. MissingColumnError: a shard lacks the
@@ -532,57 +553,30 @@ def mine(cfg: MineConfig) -> MineResult:
         StorageError: a read or write failed for good (not transient, or still failing after the retries).
     """
     import joblib
-    import ray
 
-    from pairmine.operators.embed import known_vectors
+    from pairmine.operators.write import GROUP_SCHEMA, STAGING_SORT_COLUMN
 
     t0 = time.time()
-    storage = cfg.storage_layer()
-    out = cfg.output.path.rstrip("/") or "."
-    if (storage.info(out) or {}).get("type") == "file":
-        raise ConfigError(f"output.path = {cfg.output.path!r} is a file; it must be a folder (created if missing)")
-    # Everything that can be checked cheaply is checked before Ray starts and before the run folder exists.
-    shards = discover_shards(cfg.input.path, cfg.input.format, storage)
-    check_model(cfg, needs_threshold=True)
+    storage, c = cfg.storage_layer(), cfg.consistency
     run_id = cfg.output.run_id or new_run_id()
-    settings = lineage_settings(cfg.to_dict(), {"model": model_id(cfg), "passage_prefix": cfg.resolved_prefix(),
-                                                "anchor_threshold": cfg.resolved_threshold()})
-    # A run joins the lineage of the latest committed run in the output when its settings are equal; an incremental
-    # run with other settings is refused unless asked for a new lineage; a full run with other settings starts one.
-    lineage_id, runs = choose_lineage(committed_runs(out, storage), settings, run_id,
-                                      cfg.input.new_lineage or not cfg.input.incremental, cfg.output.path)
-    if cfg.input.incremental:
-        mined = {s["key"] for run in runs for s in run.get("inputs", [])}
-        hashes_by_place: dict[tuple, set] = {}  # (path, size) -> content hashes recorded for multipart objects
-        for run in runs:
-            for s in run.get("inputs", []):
-                if s.get("sha256"):
-                    hashes_by_place.setdefault((s.get("path"), s.get("size")), set()).add(s["sha256"])
-        new = [s for s in shards if s.key not in mined and not _uploaded_again(s, hashes_by_place, storage)]
-        log.info("incremental: %d of %d input shard(s) not yet mined by a committed run of lineage %s under %s",
-                 len(new), len(shards), lineage_id, out)
-        if not new:
-            return MineResult(run_dir=None, stats={"docs_in": 0, "shards_in": len(shards), "shards_new": 0})
-        shards = [dataclasses.replace(s, index=i) for i, s in enumerate(new)]
-    run_dir = f"{out}/{run_id}"
-    if storage.exists(f"{run_dir}/{SUCCESS_MARKER}"):
-        raise RunExistsError(
-            f"run {run_id} in {cfg.output.path} is already committed ({run_dir}/{SUCCESS_MARKER}); "
-            "choose another --run-id, or leave it out for a new one"
-        )
+    folder = RunFolder(cfg.output.path, run_id, storage,
+                       Parts("groups", "groups", "docs_in", GROUP_SCHEMA, (STAGING_SORT_COLUMN, "anchor_index"),
+                             "dropped" if c.enabled and c.side_output else None))
+    # Everything that can be checked cheaply is checked before Ray starts and before the run folder exists.
+    folder.check_output()
+    found = discover_shards(cfg.input.path, cfg.input.format, storage)
+    check_model(cfg, needs_threshold=True)
+    shards, lineage_id, settings = _select_shards(cfg, found, storage, folder.output, run_id)
+    if not shards:
+        return MineResult(run_dir=None, stats={"docs_in": 0, "shards_in": len(found), "shards_new": 0})
     plan = {"run_id": run_id, "inputs": [_shard_dict(s) for s in shards], "config": result_config(cfg)}
-    prior = read_json(storage, f"{run_dir}/{STATE_DIR}/plan.json") if storage.exists(
-        f"{run_dir}/{STATE_DIR}/plan.json") else None
-    if prior is not None:
-        check_resume(plan, prior, run_id)
-    staging = f"{run_dir}/_staging"
+    prior = folder.check_new(plan)
     layout: dict[int, list[int]] = {}
     known_rows = check_parquet_shards(shards, (cfg.input.text_column, cfg.input.id_column), storage, layout=layout)
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
-    c = cfg.consistency
     stage_plan = plan_for(cfg, c.num_actors, c.enabled)
-    log.info("run %s -> %s: %d input shard(s) from %s; Ray %s", run_id, run_dir, len(shards),
+    log.info("run %s -> %s: %d input shard(s) from %s; Ray %s", run_id, folder.dir, len(shards),
              cfg.input.path or "the shipped sample", where)
     log.info("stage plan: %s", stage_plan.describe())
 
@@ -590,142 +584,68 @@ def mine(cfg: MineConfig) -> MineResult:
     # A resumed run repeats it over all shards: duplicates, the IDF and the pool depend on the whole input, and
     # the pass is seeded, so it gives the first attempt's results again. One task per row group; ids go to
     # hash-range indexes on the workers, never to the driver (pipeline.first_pass).
-    if prior is None:
-        storage.rm(staging)  # leftovers of an attempt killed before its plan was written
-    cut = sample_cut(cfg.tfidf.sample_docs, known_rows)
     pool_spec = PoolSpec(c.pool_size, c.seed, sample_cut(c.pool_size, known_rows), known_rows, cfg.chunk.max_words,
                          cfg.chunk.min_words, cfg.chunk.max_passages, token_limit=cfg.token_limit()
                          ) if c.enabled else None
     first = first_pass(shards, layout, ScanParams(cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs,
-                                                  cfg.tfidf.seed, cut, pool_spec, storage,
-                                                  cfg.input.skip_duplicate_texts), f"{staging}/duplicates")
-    docs_expected = first.docs
-    rows_per_shard = first.rows_per_shard
-    units = first.units
-    content_hashes = first.content_hashes
-    from pairmine.operators.chunk import chunk_text
-    from pairmine.operators.related import EmptySampleError, fit_tfidf, unfitted_tfidf
-
-    sample_passages = [
-        p for text in first.sample
-        for p in chunk_text(text, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages,
-                            cfg.token_limit()).passages
-    ]
-    try:
-        tfidf = fit_tfidf(sample_passages, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)
-        tfidf_note = None
-    except EmptySampleError as e:
-        # No usable word in the whole sample (e.g. every document skipped): no IDF statistics, every word is
-        # unseen and weighs the same (idf 1), so lexical scores are term-frequency cosines; said in the log and the
-        # manifest.
-        log.warning("%s; lexical (TF-IDF) scores will use no IDF (every word weighs the same)", e)
-        tfidf, tfidf_note = unfitted_tfidf(cfg.tfidf.sublinear_tf), str(e)
-
-    # ---- the run folder: plan, committed shards of an earlier attempt, clean staging ------------------------------
-    records: dict[int, dict] = {}
-    if prior is None:
-        storage.makedirs(run_dir)
-        write_json(storage, f"{run_dir}/{STATE_DIR}/plan.json", plan)
-    else:
-        for path in storage.ls(f"{run_dir}/{STATE_DIR}"):
-            if path.rsplit("/", 1)[-1].startswith("shard-") and path.endswith(".json"):
-                rec = read_json(storage, path)
-                records[rec["shard_index"]] = rec
-        for s in shards:  # staging files of shards not committed are partial: they are written again
-            if s.index not in records:
-                storage.rm(f"{staging}/groups/shard-{s.index:05d}")
-                storage.rm(f"{staging}/dropped/shard-{s.index:05d}")
-        log.info("resuming run %s: %d of %d shard(s) already committed, %d to mine", run_id, len(records), len(shards),
-                 len(shards) - len(records))
-    buf = io.BytesIO()
-    joblib.dump(tfidf, buf)
-    storage.write_bytes(f"{run_dir}/tfidf.joblib", buf.getvalue())
-    todo = [s for s in shards if s.index not in records]
-    todo_units = [u for u in units if u["shard_index"] not in records]
-    pool_passages, pool_hashes = (first.pool_passages, first.pool_hashes) if c.enabled and todo else ([], None)
+                                                  cfg.tfidf.seed, sample_cut(cfg.tfidf.sample_docs, known_rows),
+                                                  pool_spec, storage, cfg.input.skip_duplicate_texts),
+                       f"{folder.staging}/duplicates")
+    tfidf, sample_passages, tfidf_note = _fit_tfidf(cfg, first.sample)
     log.info(
         "first pass: %d documents in %d work unit(s), %d duplicate id(s) and %d duplicate text(s) under other ids "
         "(found in %d hash range(s) on the workers), %.1f s; TF-IDF fitted on %d passages (vocabulary %d)",
-        docs_expected, len(units), first.duplicates, first.duplicate_texts, first.ranges, first.figures["wall_s"], len(sample_passages), len(tfidf.vocabulary),
+        first.docs, len(first.units), first.duplicates, first.duplicate_texts, first.ranges, first.figures["wall_s"],
+        sample_passages, len(tfidf.vocabulary),
     )
-    figures = [first.figures]  # per-stage wall/busy/CPU seconds and rows, in pipeline order (stats.json "stages")
-    del first
 
-    # ---- the streaming pass: one row per document from read to write ---------------------------------------------
-    actors, threads, device = stage_plan.embed_actors, stage_plan.threads, stage_plan.device
-    batch = cfg.ray.docs_per_batch
-    threshold = cfg.resolved_threshold()
-    side_output = c.enabled and c.side_output
+    # ---- the run folder: plan, or what an earlier attempt committed and recorded -----------------------------------
+    todo = folder.open(plan, first.units, first.unit_rows, "run")
+    buf = io.BytesIO()
+    joblib.dump(tfidf, buf)
+    storage.write_bytes(f"{folder.dir}/tfidf.joblib", buf.getvalue())
+    figures = [first.figures]  # per-stage wall/busy/CPU seconds and rows, in pipeline order (stats.json "stages")
+
+    # ---- the streaming pass: one row per document from read to write, a commit per shard ---------------------------
+    uncommitted = [s for s in shards if s.index not in folder.records]
     pool_size = None
-    stall_hint = (f"the shards committed so far stay in {run_dir}: run the same command with --run-id {run_id} to "
-                  "resume once the cluster has room (or raise ray.stall_limit_s)")
-    if todo:
-        light, gpu_embed, gpu_filter = stage_plan.light_cpus, stage_plan.embed_gpus, stage_plan.filter_gpus
-        embed_stage = Stage("embed", partial(_make_embed, cfg, threads, device), batch_size=batch, actors=actors,
-                            num_cpus=stage_plan.embed_cpus, num_gpus=gpu_embed)
-        stages = [
-            Stage("read", partial(_make_read, cfg), batch_size=1, num_cpus=light),
-            Stage("chunk", partial(_make_chunk, cfg), batch_size=batch, num_cpus=light),
-            embed_stage,
-            Stage("centrality", _make_centrality, batch_size=batch, num_cpus=light),
-            Stage("related", partial(_make_related, cfg, tfidf), batch_size=batch, num_cpus=light),
-        ]
-        if c.enabled:
-            t_pool = time.time()
-            pool_texts: list[str] = []  # the pool passages in the order of pool_vectors' rows
-            pool_vectors, pool_hashes = embed_pool(pool_passages, pool_hashes, embed_stage, cfg.ray.stall_warn_s,
-                                                   cfg.ray.stall_limit_s, stall_hint, pool_texts, figures)
-            pool_size = len(pool_vectors)
-            pool_ref = ray.put((pool_vectors, pool_hashes))
-            # The main pass takes a passage's vector from the pool when the pool pass already computed it (by the
-            # prefixed text), instead of embedding it twice: on the sample, the pool is every passage.
-            keys, rows, _ = known_vectors([cfg.resolved_prefix() + p for p in pool_texts], pool_vectors)
-            stages[2] = Stage("embed", partial(_make_embed, cfg, threads, device, (ray.put((keys, rows)), pool_ref)),
-                              batch_size=batch, actors=actors, num_cpus=stage_plan.embed_cpus, num_gpus=gpu_embed)
-            if pool_size == 0:
-                log.warning("the consistency pool is empty (the input has no usable passage): every group will be kept")
-            log.info("consistency pool: %d passages embedded in %.1f s (asked for %d; k = %d); the main pass reuses "
-                     "their vectors", pool_size, time.time() - t_pool, c.pool_size, c.k)
-            del pool_vectors, pool_passages, pool_texts
-            stages.append(Stage("consistency", partial(_make_filter, pool_ref, c.k, device, c.chunk_mb),
-                                batch_size=batch, actors=stage_plan.filter_actors, num_cpus=light, num_gpus=gpu_filter))
-        stages.append(Stage("write", partial(_make_write, staging, run_id, model_id(cfg), threshold, pool_size,
-                                             c.k if c.enabled else None, side_output, storage, cfg.resolved_prefix()),
-                            batch_size=batch, num_cpus=light))
-        log.info(
-            "mining %d shard(s) with %s (prefix %r, anchor threshold %.3f from %s): %d embed actor(s) on %s, "
-            "%d thread(s) each",
-            len(todo), model_id(cfg), cfg.resolved_prefix(), threshold, cfg.threshold_source(), actors, device, threads,
-        )
-        records.update(_stream_and_commit(stages, todo, todo_units, rows_per_shard, run_dir, side_output, pool_size,
-                                          storage, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, stall_hint, figures,
-                                          stage_plan.light_cpus))
+    if uncommitted:
+        hint = (f"the shards committed so far stay in {folder.dir}: run the same command with --run-id {run_id} to "
+                "resume once the cluster has room (or raise ray.stall_limit_s)")
+        stages, pool_size = _mining_stages(cfg, stage_plan, tfidf, folder, first, figures, hint)
+        log.info("mining %d shard(s) with %s (prefix %r, anchor threshold %.3f from %s): %d embed actor(s) on %s, "
+                 "%d thread(s) each", len(uncommitted), model_id(cfg), cfg.resolved_prefix(),
+                 cfg.resolved_threshold(), cfg.threshold_source(), stage_plan.embed_actors, stage_plan.device,
+                 stage_plan.threads)
+        folder.stream(stages, [_shard_dict(s) | {"index": s.index, "pool_size": pool_size} for s in uncommitted],
+                      todo, {k: n for k, n in first.unit_rows.items() if k[0] not in folder.records},
+                      Progress(sum(first.unit_rows[unit_key(u)] for u in todo)), cfg.ray.stall_warn_s,
+                      cfg.ray.stall_limit_s, hint, figures, stage_plan.light_cpus)
+    elif c.enabled:  # every shard was committed by an earlier attempt
+        pool_size = next((r.get("pool_size") for r in folder.records.values() if r.get("pool_size") is not None), None)
 
     # ---- commit: stats, manifest, then the success marker, then the pointer to the newest run --------------------
-    missing = [s.index for s in shards if s.index not in records]
+    missing = [s.index for s in shards if s.index not in folder.records]
     if missing:
         raise RuntimeError(f"shards {missing[:10]} were not committed; re-run with --run-id {run_id} to finish them")
+    records = folder.records
     total, hists = merge_stats([records[s.index]["stats"] for s in shards])
-    if pool_size is None and c.enabled:  # every shard was committed by an earlier attempt
-        pool_size = next((r.get("pool_size") for r in records.values() if r.get("pool_size") is not None), None)
-    stats = build_stats(total, hists, cfg, docs_expected, time.time() - t0)
-    stats["run_id"] = run_id
-    stats["consistency_enabled"] = c.enabled
-    stats["shards"] = len(shards)
-    stats["shards_resumed"] = len(shards) - len(todo)
-    stats["stages"] = figures
+    stats = build_stats(total, hists, cfg, first.docs, time.time() - t0)
+    stats.update(run_id=run_id, consistency_enabled=c.enabled, shards=len(shards),
+                 shards_resumed=len(shards) - len(uncommitted), units=len(first.units),
+                 units_resumed=len(first.units) - len(todo), stages=figures)
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     manifest = {
         "run_id": run_id,
         "created_utc": (prior or {}).get("created_utc") or now,
         "committed_utc": now,
         "config": cfg.to_dict(),
-        "resolved": {"model": model_id(cfg), "passage_prefix": cfg.resolved_prefix(), "anchor_threshold": threshold,
-                     "anchor_threshold_source": cfg.threshold_source(),
-                     "embed_actors": actors, "embed_device": device, "embed_threads": threads, "ray": where,
-                     "stage_plan": stage_plan.describe()},
+        "resolved": {"model": model_id(cfg), "passage_prefix": cfg.resolved_prefix(),
+                     "anchor_threshold": cfg.resolved_threshold(), "anchor_threshold_source": cfg.threshold_source(),
+                     "embed_actors": stage_plan.embed_actors, "embed_device": stage_plan.device,
+                     "embed_threads": stage_plan.threads, "ray": where, "stage_plan": stage_plan.describe()},
         "lineage": {"id": lineage_id, "settings": settings},
-        "inputs": [_shard_dict(s, content_hashes.get(s.index, "")) for s in shards],
+        "inputs": [_shard_dict(s, first.content_hashes.get(s.index, "")) for s in shards],
         "shards": [
             {"shard_index": s.index, "path": s.path, "part": records[s.index]["part"],
              "groups": records[s.index]["groups"], "status": "committed",
@@ -733,27 +653,26 @@ def mine(cfg: MineConfig) -> MineResult:
             for s in shards
         ],
         "consistency": {"enabled": c.enabled, "pool_size": pool_size, "pool_size_requested": c.pool_size, "k": c.k,
-                        "seed": c.seed, "side_output": "dropped/" if side_output else None},
-        "tfidf": {"file": "tfidf.joblib", "sample_docs": cfg.tfidf.sample_docs, "sample_passages": len(sample_passages),
+                        "seed": c.seed, "side_output": "dropped/" if folder.parts.side else None},
+        "tfidf": {"file": "tfidf.joblib", "sample_docs": cfg.tfidf.sample_docs, "sample_passages": sample_passages,
                   "vocabulary": len(tfidf.vocabulary), "unseen_word_idf": round(tfidf.unseen_idf, 6),
                   "seed": cfg.tfidf.seed, "warning": tfidf_note},
         "versions": software_versions(),
         "host": platform.node(),
         "pid": os.getpid(),
     }
-    write_json(storage, f"{run_dir}/stats.json", stats)
-    write_json(storage, f"{run_dir}/manifest.json", manifest)
-    storage.rm(staging)
-    storage.rm(f"{run_dir}/{STATE_DIR}")
-    for folder in ("groups", "dropped"):  # temporary files of writes cut short by a kill (local disks only)
-        for path in storage.ls(f"{run_dir}/{folder}"):
-            if path.rsplit("/", 1)[-1].startswith(".") and ".tmp-" in path:
-                storage.rm(path)
-    storage.write_bytes(f"{run_dir}/{SUCCESS_MARKER}", (run_id + "\n").encode())
-    write_json(storage, f"{out}/{LATEST_POINTER}", {
-        "format": 1, "run_id": run_id, "run_dir": run_dir, "groups": f"{run_dir}/groups/", "committed_utc": now,
+    folder.finalize(stats, manifest, {
+        "format": 1, "run_id": run_id, "run_dir": folder.dir, "groups": f"{folder.dir}/groups/", "committed_utc": now,
         "groups_count": stats["groups"], "shards": len(shards),
     })
+    _log_done(cfg, stats, pool_size, folder.dir)
+    return MineResult(run_dir=folder.dir, stats=stats)
+
+
+def _log_done(cfg: MineConfig, stats: dict, pool_size: int | None, run_dir: str) -> None:
+    """The final log lines of a mining run: the paper's figures after and before the consistency filter, the
+    per-stage figures, and a warning when passages were cut at embed.max_length."""
+    c = cfg.consistency
     kept = (f"; consistency filter kept {stats['consistency_keep_rate_pct']:.1f}% of {stats['groups_mined']} groups "
             f"(n_above < {c.k} against {pool_size} pool passages)") if c.enabled else ""
     after = " after the consistency filter" if c.enabled else ""
@@ -771,83 +690,10 @@ def mine(cfg: MineConfig) -> MineResult:
             "processed documents have groups, %.2f groups per document with groups, %.1f%% of passages covered",
             b["groups"], b["docs_with_groups_pct"], b["groups_per_doc"], b["passage_coverage_pct"],
         )
-    for line in format_stage_figures(figures):
+    for line in format_stage_figures(stats["stages"]):
         log.info("stage figures: %s", line)
     if stats["passages_token_truncated"]:
         log.warning("%d of %d passages were longer than embed.max_length = %d tokens: the model saw only their start "
                     "(passages_token_truncated in stats.json); set chunk.fit_model_length=true, lower "
                     "chunk.max_words or raise embed.max_length",
                     stats["passages_token_truncated"], stats["passages"], cfg.embed.max_length)
-    return MineResult(run_dir=run_dir, stats=stats)
-
-
-def _stream_and_commit(stages: list[Stage], todo: list, units: list[dict], rows_per_shard: dict[int, int],
-                       run_dir: str, side_output: bool, pool_size: int | None, storage, stall_warn_s: float = 60.0,
-                       stall_limit_s: float = 1800.0, hint: str = "", figures_out: list | None = None,
-                       commit_cpus: float = 0.5) -> dict[int, dict]:
-    """Stream the work units of the shards in ``todo`` through ``stages``, and commit each shard (a Ray task running
-    :func:`commit_shard`) as soon as all of its documents have been written.
-
-    ``figures_out``: when given, the pass's per-stage figures (:func:`pipeline.ray_adapter.stage_figures`) are
-    appended to it. ``commit_cpus``: CPUs per commit task (the stage plan's light share, ``ray.task_cpus``).
-
-    Returns:
-        The commit records of the shards in ``todo``, by shard index.
-
-    Raises:
-        RuntimeError: a shard received more documents than it has (a document written twice).
-        StallError: no batch completed for ``stall_limit_s`` seconds (see :func:`pipeline.ray_adapter.watched`).
-    """
-    import ray
-
-    commit = ray.remote(num_cpus=commit_cpus, max_retries=2)(commit_shard)
-    per_shard: dict[int, list[dict]] = {s.index: [] for s in todo}  # one running sum per shard (bounded memory)
-    seen = {s.index: 0 for s in todo}
-    by_index = {s.index: s for s in todo}
-    pending: dict = {}
-    records: dict[int, dict] = {}
-
-    def submit(i: int) -> None:
-        counts, hists = merge_stats(per_shard[i])
-        shard_stats = {**counts, **hists}
-        pending[commit.remote(run_dir, _shard_dict(by_index[i]) | {"index": i, "pool_size": pool_size}, shard_stats, side_output,
-                              storage)] = i
-
-    def collect(timeout: float | None) -> None:
-        if not pending:
-            return
-        done, _ = ray.wait(list(pending), num_returns=len(pending) if timeout is None else 1, timeout=timeout)
-        for ref in done:
-            i = pending.pop(ref)
-            records[i] = ray.get(ref)
-            log.info("shard %d committed: %s (%d groups)", i, records[i]["part"], records[i]["groups"])
-
-    for i in list(seen):
-        if rows_per_shard.get(i, 0) == 0:  # an empty shard still gets its (empty) part
-            submit(i)
-    ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
-    for stage in stages:
-        ds = apply_stage(ds, stage)
-    progress = Progress(sum(rows_per_shard.get(s.index, 0) for s in todo))
-    done = lambda: f"{progress.docs} / {progress.total} documents"  # noqa: E731
-    # one small row per (written batch, shard), streamed as batches finish
-    for row in watched(ds.iter_rows(), stages, done, stall_warn_s, stall_limit_s, hint):
-        i = int(row["shard_index"])
-        summary = json.loads(row["stats"])
-        counts, hists = merge_stats(per_shard[i] + [summary])
-        per_shard[i] = [{**counts, **hists}]
-        seen[i] += summary.get("docs_in", 0)
-        progress.update(summary.get("docs_in", 0), summary.get("groups", 0))
-        if seen[i] > rows_per_shard[i]:
-            raise RuntimeError(f"shard {i} received {seen[i]} documents but has {rows_per_shard[i]}")
-        if seen[i] == rows_per_shard[i]:
-            submit(i)
-        collect(timeout=0)
-    progress.done()
-    short = {i: (seen[i], rows_per_shard[i]) for i in seen if seen[i] != rows_per_shard[i]}
-    if short:
-        raise RuntimeError(f"documents missing after the stream (shard: seen, expected): {short}")
-    collect(timeout=None)
-    if figures_out is not None:
-        figures_out.extend(stage_figures(ds))
-    return records

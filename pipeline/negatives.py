@@ -10,7 +10,9 @@ by a cross-encoder teacher (seed 004, chapter 3: E5's second stage; SPEC "Hard n
              search measured on probe passages and logged); the index goes to Ray's object store, shared by the
              search actors
     read -> embed (query prefix / passage prefix) -> search + rank window -> [teacher] -> write (staging)
-    commit   one part per input shard, stats.json (drop reasons counted), manifest.json, _SUCCESS last
+    commit   one part per input shard as soon as its pairs are written (pipeline.run_folder: a killed run re-run
+             with its --run-id keeps committed shards and completed row groups, and searches only the rest; the
+             corpus is embedded and indexed again), then stats.json (drop reasons counted), manifest.json, _SUCCESS
 
 Run folder layout: ``negatives/part-NNNNN.parquet`` (``operators.negatives.NEGATIVES_SCHEMA``), ``stats.json``,
 ``manifest.json``, ``_SUCCESS``. The corpus vectors and texts live in the driver while the run lasts (N x dim x 4
@@ -34,11 +36,11 @@ from pairmine.operators.read import InputError
 from pairmine.pipeline.config import ConfigError, NegativesConfig, run_token_limit
 from pairmine.pipeline.inputs import PoolSpec, Shard, check_parquet_shards, discover_shards, shard_pool
 from pairmine.pipeline.mine import (
-    MineResult, Progress, RunExistsError, _load_pool, _shard_dict, check_model, embed_pool, merge_stats, model_id,
-    new_run_id, write_json,
+    MineResult, Progress, _load_pool, _shard_dict, check_model, embed_pool, model_id, new_run_id, result_config,
 )
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
-from pairmine.pipeline.ray_adapter import Stage, apply_stage, configure_data, init_ray, plan_for, run_remote, watched
+from pairmine.pipeline.ray_adapter import Stage, configure_data, init_ray, plan_for, run_remote
+from pairmine.pipeline.run_folder import Parts, RunFolder, merge_stats, unit_key
 
 log = logging.getLogger("pairmine")
 
@@ -253,14 +255,6 @@ def _make_write(staging: str, run_id: str, model: str, teacher: str, storage):
     return NegativesWriter(staging, run_id, model, teacher, storage)
 
 
-def _compact(staging: str, out: str, shard_index: int, storage):
-    from pairmine.operators.negatives import NEGATIVES_SCHEMA
-    from pairmine.operators.write import STAGING_SORT_COLUMN, compact_shard
-
-    path, n, _ = compact_shard(staging, out, shard_index, NEGATIVES_SCHEMA, (STAGING_SORT_COLUMN,), storage)
-    return path, n
-
-
 def check_teacher(path: str) -> None:
     """Fail before any work when the teacher cannot be found or is not a one-logit cross-encoder (reads its config).
 
@@ -287,6 +281,11 @@ def check_teacher(path: str) -> None:
 def negatives(cfg: NegativesConfig) -> MineResult:
     """Mine hard negatives with a validated config; returns the run folder and its stats.
 
+    Exactly once, with mine's run lifecycle (:mod:`pipeline.run_folder`): each work unit of pairs is recorded when
+    its pairs are staged, each input shard committed when all its units are; a re-run with the same ``--run-id``
+    checks that inputs and config are unchanged, embeds and indexes the corpus again (it is not stored) and searches
+    only the pairs left.
+
     Raises:
         ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError: user errors, before any work.
     """
@@ -294,21 +293,23 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     import ray
 
     from pairmine.operators.embed import known_vectors
-    from pairmine.operators.negatives import DROP_REASONS, text_hash
+    from pairmine.operators.negatives import DROP_REASONS, NEGATIVES_SCHEMA, text_hash
     from pairmine.operators.pairs import PAIR_SKIP_REASONS
+    from pairmine.operators.write import STAGING_SORT_COLUMN
 
     t0 = time.time()
     n = cfg.negatives
     run_id = cfg.output.run_id or new_run_id()
     storage = cfg.storage_layer()
-    out = cfg.output.path.rstrip("/") or "."
-    if (storage.info(out) or {}).get("type") == "file":
-        raise ConfigError(f"output.path = {cfg.output.path!r} is a file; it must be a folder (created if missing)")
-    run_dir = f"{out}/{run_id}"
-    if storage.exists(f"{run_dir}/{SUCCESS_MARKER}"):
-        raise RunExistsError(f"run {run_id} in {cfg.output.path} is already committed; choose another --run-id")
+    folder = RunFolder(cfg.output.path, run_id, storage,
+                       Parts("negatives", "pairs_out", "pairs_in", NEGATIVES_SCHEMA, (STAGING_SORT_COLUMN,)))
+    folder.check_output()
+    run_dir = folder.dir
     kind, shards = resolve_input(cfg, storage)
     corpus_shards, text_column, id_column, spec = resolve_corpus(cfg, storage)
+    plan = {"run_id": run_id, "inputs": [_shard_dict(s) for s in shards] + [_shard_dict(s) for s in corpus_shards],
+            "config": result_config(cfg)}
+    prior = folder.check_new(plan)
     check_model(cfg)
     if n.teacher:
         check_teacher(n.teacher)
@@ -331,14 +332,17 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     # ---- the pairs' layout (JSONL pairs decoded and type-checked here, before the corpus work) ----------------------
     columns = (cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column) if kind == "pairs" else None
     layouts = run_remote(_layout, [(s, storage, columns) for s in shards])
-    units, expected = [], 0
+    units, unit_rows = [], {}
     for shard, layout in zip(shards, layouts):
         offset = 0
         for g, rows in enumerate(layout):
             units.append({"shard_index": shard.index, "path": shard.path, "format": shard.format,
                           "row_group": g if shard.format == "parquet" else -1, "row_offset": offset, "duplicates": ""})
+            unit_rows[(shard.index, offset)] = rows
             offset += rows
-        expected += offset
+    expected = sum(unit_rows.values())
+    todo = folder.open(plan, units, unit_rows, "negatives run")
+    uncommitted = [s for s in shards if s.index not in folder.records]
 
     # ---- corpus: chunk, embed, index --------------------------------------------------------------------------------
     t_corpus = time.time()
@@ -376,10 +380,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     known_refs = (ray.put((keys, rows)), ray.put(vectors))
     del vectors, index, corpus_texts, keys, rows
 
-    # ---- the streaming pass -----------------------------------------------------------------------------------------
-    staging = f"{run_dir}/_staging"
-    storage.rm(staging)  # leftovers of an interrupted attempt of this run id
-    storage.makedirs(run_dir)
+    # ---- the streaming pass, a commit per shard ----------------------------------------------------------------------
     batch = cfg.ray.docs_per_batch
     stages = [
         Stage("read_pairs", partial(_make_read, cfg, kind), batch_size=1, num_cpus=light),
@@ -390,22 +391,21 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     if n.teacher:
         stages.append(Stage("teacher", partial(_make_teacher, cfg, device, threads), batch_size=batch, actors=actors,
                             num_cpus=embed_cpus, num_gpus=embed_gpus))
-    stages.append(Stage("write_negatives", partial(_make_write, staging, run_id, model_id(cfg), n.teacher, storage),
-                        batch_size=batch, num_cpus=light))
-    ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
-    for stage in stages:
-        ds = apply_stage(ds, stage)
-    summaries, progress = [], Progress(expected, unit="pairs", counted="negatives")
-    done = lambda: f"{progress.docs} / {progress.total} pairs"  # noqa: E731
-    for row in watched(ds.iter_rows(), stages, done, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s):
-        summaries.append(json.loads(row["stats"]))
-        progress.update(summaries[-1].get("pairs_in", 0), summaries[-1].get("negatives", 0))
-    progress.done()
-    parts = run_remote(_compact, [(f"{staging}/negatives", f"{run_dir}/negatives", s.index, storage) for s in shards])
-    storage.rm(staging)
+    stages.append(Stage("write_negatives", partial(_make_write, folder.staging, run_id, model_id(cfg), n.teacher,
+                                                   storage), batch_size=batch, num_cpus=light))
+    if uncommitted:
+        hint = f"the shards committed so far stay in {run_dir}: run the same command with --run-id {run_id} to resume"
+        folder.stream(stages, [_shard_dict(s) | {"index": s.index} for s in uncommitted], todo,
+                      {k: r for k, r in unit_rows.items() if k[0] not in folder.records},
+                      Progress(sum(unit_rows[unit_key(u)] for u in todo), unit="pairs", counted="negatives"),
+                      cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, hint, None, light)
 
     # ---- commit -----------------------------------------------------------------------------------------------------
-    total, _ = merge_stats(summaries)
+    records = folder.records
+    missing = [s.index for s in shards if s.index not in records]
+    if missing:
+        raise RuntimeError(f"shards {missing[:10]} were not committed; re-run with --run-id {run_id} to finish them")
+    total, _ = merge_stats([records[s.index]["stats"] for s in shards])
     skipped = {r: int(total.get(f"pairs_skipped.{r}", 0)) for r in PAIR_SKIP_REASONS}
     dropped = {r: int(total.get(f"negatives_dropped.{r}", 0)) for r in DROP_REASONS}
     pairs_in, pairs_out, kept = int(total["pairs_in"]), int(total["pairs_out"]), int(total["negatives"])
@@ -425,15 +425,21 @@ def negatives(cfg: NegativesConfig) -> MineResult:
         "vectors_reused": int(total.get("vectors_reused", 0)),
         "index": index_desc,
         "index_recall_at_depth": recall,
+        "shards": len(shards),
+        "shards_resumed": len(shards) - len(uncommitted),
+        "units": len(units),
+        "units_resumed": len(units) - len(todo),
         "elapsed_s": round(elapsed, 2),
         "pairs_per_s": round(pairs_in / elapsed, 3) if elapsed else 0.0,
     }
     stats["reconciled"] = pairs_in == pairs_out + sum(skipped.values()) == expected
-    if not stats["reconciled"] or sum(c for _, c in parts) != pairs_out:
-        raise RuntimeError(f"counts do not reconcile: {stats}, parts hold {sum(c for _, c in parts)} pairs")
+    in_parts = sum(records[s.index]["rows"] for s in shards)
+    if not stats["reconciled"] or in_parts != pairs_out:
+        raise RuntimeError(f"counts do not reconcile: {stats}, parts hold {in_parts} pairs")
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     manifest = {
         "run_id": run_id, "job": "negatives",
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": (prior or {}).get("created_utc") or now, "committed_utc": now,
         "config": cfg.to_dict(),
         "resolved": {"model": model_id(cfg), "query_prefix": cfg.resolved_query_prefix(),
                      "passage_prefix": cfg.resolved_prefix(), "embed_device": device, "ray": where,
@@ -441,13 +447,11 @@ def negatives(cfg: NegativesConfig) -> MineResult:
                      "index_recall_at_depth": recall, "teacher": n.teacher or None},
         "inputs": [_shard_dict(s) for s in shards],
         "corpus": [_shard_dict(s) for s in corpus_shards],
-        "shards": [{"shard_index": s.index, "part": f"negatives/{p.rsplit('/', 1)[-1]}", "pairs": c,
-                    "status": "committed"} for s, (p, c) in zip(shards, parts)],
+        "shards": [{"shard_index": s.index, "part": records[s.index]["part"], "pairs": records[s.index]["rows"],
+                    "status": "committed", "committed_utc": records[s.index]["committed_utc"]} for s in shards],
         "versions": software_versions(), "host": platform.node(),
     }
-    write_json(storage, f"{run_dir}/stats.json", stats)
-    write_json(storage, f"{run_dir}/manifest.json", manifest)
-    storage.write_bytes(f"{run_dir}/{SUCCESS_MARKER}", (run_id + "\n").encode())
+    folder.finalize(stats, manifest)
     log.info("done in %.1f s: %d negatives for %d pairs (%.2f per pair; ranks %d-%d of %d retrieved from %d corpus "
              "passages); %d skipped -> %s", elapsed, kept, pairs_out, stats["negatives_per_pair"], n.rank_start,
              n.rank_end, n.depth, corpus_size, sum(skipped.values()), run_dir)

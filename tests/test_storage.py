@@ -190,18 +190,14 @@ def test_driver_killed_at_several_points_then_rerun_gives_the_same_groups(refere
     kill_driver(p)
     first = committed(o, "killed")
     assert not o.exists("killed", "_SUCCESS")
-    # 3. killed again later, with more shards committed
-    p = start(cmd, log)
-    wait_for(lambda: committed(o, "killed") >= first + 2, p, what="two more shard commits")
-    kill_driver(p)
-    assert not o.exists("killed", "_SUCCESS")
-    # 4. the re-run finishes: only the rest is mined, and the groups are the uninterrupted run's
+    # (a kill in the middle of a shard, keeping its completed row groups: tests/test_resume_units.py)
+    # 3. the re-run finishes: only the rest is mined, and the groups are the uninterrupted run's
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "already committed" in proc.stderr and "resuming run killed" in proc.stderr
     assert_same_groups(groups_of(o, "killed"), ref)
     s = o.json("killed", "stats.json")
-    assert s["shards"] == 8 and s["shards_resumed"] >= first + 2 and s["reconciled"]
+    assert s["shards"] == 8 and s["shards_resumed"] >= first and s["reconciled"]
     for key in ("docs_in", "docs_with_groups", "groups", "groups_mined", "passages", "passages_in_groups", "anchors"):
         assert s[key] == ref_stats[key], key
     assert s["centrality_histogram"] == ref_stats["centrality_histogram"]
