@@ -272,7 +272,7 @@ def cmd_negatives(args) -> int:
 
     cfg = _load(args, ((args.input, "input.path"), (args.corpus, "negatives.corpus"), (args.output, "output.path"),
                        (args.run_id, "output.run_id"), (args.ray_address, "ray.address"),
-                       (args.teacher, "negatives.teacher")), load_negatives_config)
+                       (args.teacher, "negatives.teacher")), load_negatives_config, "negatives")
     result = negatives(cfg)
     s = result.stats
     drops = ", ".join(f"{k} {v}" for k, v in s["negatives_dropped"].items() if v)
@@ -294,15 +294,18 @@ def _common_args(p: argparse.ArgumentParser) -> None:
                    "local Ray). Same as ray.address")
 
 
-def _load(args, flags=(), loader=None) -> "object":
+def _load(args, flags=(), loader=None, command: str | None = None) -> "object":
     """The validated config of a command: ``--config``, then ``--set``, then each given flag as ``key=value``
     (``flags``: (flag value, config key) pairs; a flag that was not given is None and skipped, while an empty value
-    such as ``--query-prefix ''`` is kept). ``loader``: the config's loader (default: mine's ``load_config``). The
-    one way every command maps its flags to config keys."""
-    from pairmine.pipeline.config import load_config
+    such as ``--query-prefix ''`` is kept). ``loader``: the config's loader (default: mine's ``load_config``);
+    ``command``: validate only the sections that command uses (``config.COMMAND_SECTIONS``). The one way every
+    command maps its flags to config keys."""
+    from pairmine.pipeline.config import COMMAND_SECTIONS, load_config
 
     overrides = list(args.overrides) + [f"{key}={flag}" for flag, key in flags if flag is not None]
-    return (loader or load_config)(args.config, overrides)
+    if command is None:
+        return (loader or load_config)(args.config, overrides)
+    return (loader or load_config)(args.config, overrides, COMMAND_SECTIONS[command])
 
 
 def cmd_filter_pairs(args) -> int:
@@ -311,7 +314,7 @@ def cmd_filter_pairs(args) -> int:
     cfg = _load(args, ((args.input, "input.path"), (args.output, "output.path"), (args.run_id, "output.run_id"),
                        (args.ray_address, "ray.address"), (args.query_column, "input.query_column"),
                        (args.passage_column, "input.passage_column"), (args.pool, "consistency.pool_path"),
-                       (args.id_column, "input.pair_id_column")))
+                       (args.id_column, "input.pair_id_column")), command="filter-pairs")
     result = filter_pairs(cfg)
     s = result.stats
     print(f"run folder: {result.run_dir}\n"
@@ -325,7 +328,7 @@ def cmd_mine(args) -> int:
 
     cfg = _load(args, ((args.input, "input.path"), (args.output, "output.path"), (args.run_id, "output.run_id"),
                        (args.ray_address, "ray.address"), (args.incremental or None, "input.incremental"),
-                       (args.new_lineage or None, "input.new_lineage")))
+                       (args.new_lineage or None, "input.new_lineage")), command="mine")
     result = mine(cfg)
     s = result.stats
     if result.run_dir is None:
@@ -504,7 +507,7 @@ def cmd_eval(args) -> int:
     from pairmine.pipeline.evaluate import METRICS, evaluate
 
     cfg = _load(args, ((args.model, "embed.model"), (args.query_prefix, "embed.query_prefix"),
-                              (args.passage_prefix, "embed.passage_prefix")))
+                       (args.passage_prefix, "embed.passage_prefix")), command="eval")
     res = evaluate(cfg, args.beir, args.sts, args.output or "", args.split)
     s = res.summary
     print(f"model: {s['model']} (query prefix {s['query_prefix']!r}, passage prefix {s['passage_prefix']!r})")
@@ -528,7 +531,7 @@ def cmd_compare(args) -> int:
 
     from pairmine.pipeline.evaluate import compare_results, load_per_query, verdict
 
-    storage = _load(args).storage_layer()
+    storage = _load(args, command="compare").storage_layer()
     a, b = load_per_query(args.result_a, storage), load_per_query(args.result_b, storage)
     comps, info = compare_results(a, b, args.metric, args.common_only, args.resamples, args.seed, args.ci)
     print(f"A: {a['path']} ({a.get('model', '?')})\nB: {b['path']} ({b.get('model', '?')})")
@@ -552,7 +555,7 @@ def cmd_compare(args) -> int:
 def cmd_report(args) -> int:
     from pairmine.pipeline.report import build_report
 
-    storage = _load(args).storage_layer()
+    storage = _load(args, command="report").storage_layer()
     res = build_report(args.run, args.output or "", args.examples, args.seed, args.groups_per_doc, not args.no_reembed,
                        storage)
     for n in res.notes:
@@ -565,7 +568,7 @@ def cmd_calibrate(args) -> int:
     from pairmine.pipeline.calibrate import calibrate, format_calibration
 
     cfg = _load(args, ((args.input, "input.path"), (args.model, "embed.model"),
-                              (args.passage_prefix, "embed.passage_prefix")))
+                       (args.passage_prefix, "embed.passage_prefix")), command="calibrate")
     result = calibrate(cfg, args.sample_docs, args.seed, args.target_coverage, args.target_anchor_rate,
                        args.coverage_basis, args.examples)
     print(format_calibration(result))

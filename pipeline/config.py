@@ -135,7 +135,8 @@ class StorageConfig:
 class RayConfig:
     address: str = _f("", 'empty: $RAY_ADDRESS if set, else start a private local Ray')
     num_cpus: int = _f(0, 'local Ray only; 0: all cores')
-    docs_per_batch: int = _f(64, 'documents per batch through the CPU stages and the embedder')
+    docs_per_batch: int = _f(64, 'documents (filter-pairs and negatives: pairs) per batch through the CPU stages and '
+                             'the embedder')
     stall_warn_s: float = _f(60.0, "while no batch completes for this many seconds, log every as many seconds what Ray "
                              "cannot place (or that a stage runs without finishing)")
     stall_limit_s: float = _f(1800.0, "end the run with an error after this many seconds without a completed batch (the "
@@ -278,8 +279,9 @@ class MineConfig(Sections):
         """The :class:`operators.storage.Storage` of this config (endpoint, credentials, retry policy)."""
         return storage_of(self.storage)
 
-    def validate(self) -> "MineConfig":
-        """Check ranges and choices. Raises ConfigError naming the field."""
+    def validate(self, sections: typing.Iterable[str] | None = None) -> "MineConfig":
+        """Check ranges and choices of ``sections`` (None: every section); a command validates only the sections
+        it uses (:data:`COMMAND_SECTIONS`). Raises ConfigError naming the field."""
         checks = [
             ("output.run_id", _RUN_ID.fullmatch(self.output.run_id) is not None or self.output.run_id == "",
              "letters, digits, '.', '_' or '-' (no '/', not starting with '.'), at most 128 characters"),
@@ -317,7 +319,7 @@ class MineConfig(Sections):
             ("ray.task_cpus", self.ray.task_cpus > 0, "> 0"),
             ("ray.embed_gpu_share", 0 < self.ray.embed_gpu_share < 1, "between 0 and 1 (exclusive)"),
         ]
-        self.check(checks)
+        self.check(_only(checks, sections))
         return self
 
 
@@ -328,11 +330,13 @@ class NegativesConfig(MineConfig):
 
     negatives: NegativesSection = field(default_factory=NegativesSection)
 
-    def validate(self) -> "NegativesConfig":
-        """Mine's checks plus the ``[negatives]`` ranges. Raises ConfigError naming the field."""
-        super().validate()
+    def validate(self, sections: typing.Iterable[str] | None = None) -> "NegativesConfig":
+        """Mine's checks of the sections negatives uses plus the ``[negatives]`` ranges. Raises ConfigError naming
+        the field."""
+        sections = COMMAND_SECTIONS["negatives"] if sections is None else sections
+        super().validate(sections)
         n = self.negatives
-        self.check([
+        self.check(_only([
             ("negatives.depth", n.depth >= 1, ">= 1"),
             ("negatives.rank_start", 1 <= n.rank_start <= n.depth, "between 1 and negatives.depth"),
             ("negatives.rank_end", n.rank_start <= n.rank_end <= n.depth, "between negatives.rank_start and "
@@ -346,17 +350,39 @@ class NegativesConfig(MineConfig):
             ("negatives.recall_probes", n.recall_probes >= 1, ">= 1"),
             ("negatives.teacher_max_length", n.teacher_max_length >= 8, ">= 8"),
             ("negatives.teacher_batch_size", n.teacher_batch_size >= 1, ">= 1"),
-        ])
+        ], sections))
         return self
 
 
-def load_negatives_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> NegativesConfig:
+# The config sections each command reads, and so validates: a bad value in a section a command does not use is not
+# its error (``pairmine eval --set related.n_related=0`` runs; ``pairmine mine`` with it is refused).
+COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
+    "mine": ("input", "output", "chunk", "embed", "anchors", "related", "consistency", "tfidf", "storage", "ray"),
+    "filter-pairs": ("input", "output", "chunk", "embed", "consistency", "storage", "ray"),
+    "negatives": ("input", "output", "chunk", "embed", "storage", "ray", "negatives"),
+    "calibrate": ("input", "chunk", "embed", "anchors", "tfidf", "storage", "ray"),
+    "eval": ("embed", "storage", "ray"),
+    "report": ("storage",),
+    "compare": ("storage",),
+}
+
+
+def _only(checks: list, sections: typing.Iterable[str] | None) -> list:
+    """The checks whose field lies in one of ``sections`` (all when None)."""
+    if sections is None:
+        return checks
+    keep = set(sections)
+    return [c for c in checks if c[0].split(".", 1)[0] in keep]
+
+
+def load_negatives_config(path: str | Path | None = None, overrides: typing.Iterable[str] = (),
+                          sections: typing.Iterable[str] | None = None) -> NegativesConfig:
     """A validated :class:`NegativesConfig` from defaults, an optional TOML file and ``key=value`` overrides.
 
     Raises:
         ConfigError: unreadable file, unknown section or key, bad value (the message names the field).
     """
-    return apply_file_and_overrides(NegativesConfig(), path, overrides).validate()
+    return apply_file_and_overrides(NegativesConfig(), path, overrides).validate(sections)
 
 
 def describe_configured_model(model: str, key: str):
@@ -420,13 +446,15 @@ def _coerce(name: str, value, ftype):
     return value
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> MineConfig:
-    """Build a validated :class:`MineConfig` from defaults, an optional TOML file and ``key=value`` overrides.
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = (),
+                sections: typing.Iterable[str] | None = None) -> MineConfig:
+    """Build a validated :class:`MineConfig` from defaults, an optional TOML file and ``key=value`` overrides;
+    ``sections``: validate only these (a command's :data:`COMMAND_SECTIONS`; None: all).
 
     Raises:
         ConfigError: unreadable file, unknown section or key, bad value (the message names the field).
     """
-    return apply_file_and_overrides(MineConfig(), path, overrides).validate()
+    return apply_file_and_overrides(MineConfig(), path, overrides).validate(sections)
 
 
 def apply_file_and_overrides(cfg: Sections, path: str | Path | None, overrides: typing.Iterable[str]) -> Sections:

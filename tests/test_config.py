@@ -55,3 +55,32 @@ def test_bad_file(tmp_path):
     (tmp_path / "typed.toml").write_text('[chunk]\nmax_words = "eighty"\n')
     with pytest.raises(ConfigError, match="chunk.max_words"):
         load_config(tmp_path / "typed.toml")
+
+
+def test_each_command_validates_only_the_sections_it_uses(tmp_path):
+    """A bad value in a section a command does not read is not that command's error (issue 13 item 7)."""
+    import subprocess
+    import sys
+
+    from pairmine.pipeline.config import COMMAND_SECTIONS, load_negatives_config
+
+    bad = ["related.n_related=0", "tfidf.sample_docs=0"]  # mining-only sections
+    for command in ("filter-pairs", "eval", "report", "compare"):
+        cfg = load_config(overrides=bad, sections=COMMAND_SECTIONS[command])
+        assert cfg.related.n_related == 0 and cfg.tfidf.sample_docs == 0
+    load_negatives_config(overrides=bad)  # negatives validates its own sections by default
+    with pytest.raises(ConfigError, match=r"related.n_related = 0 is not allowed: must be >= 1"):
+        load_config(overrides=bad, sections=COMMAND_SECTIONS["mine"])
+    with pytest.raises(ConfigError, match=r"related.n_related = 0"):
+        load_config(overrides=bad)  # no sections named: every section
+    with pytest.raises(ConfigError, match=r"embed.batch_size = 0"):  # a section eval uses is still checked
+        load_config(overrides=["embed.batch_size=0"], sections=COMMAND_SECTIONS["eval"])
+    with pytest.raises(ConfigError, match=r"negatives.depth = 0"):
+        load_negatives_config(overrides=["negatives.depth=0"])
+    # Through the CLI: report with a bad mining-only value reaches its own check (the run folder), not the config's.
+    proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "report", str(tmp_path / "no-run"),
+                           "--set", "related.n_related=0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "related.n_related" not in proc.stderr and "no-run" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--input", str(tmp_path),
+                           "--set", "related.n_related=0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "related.n_related = 0 is not allowed" in proc.stderr
