@@ -288,6 +288,38 @@ class Embedder:
                 out[idx] = pooled.cpu().numpy()  # (batch, dim)
         return out, truncated
 
+    def encode_tokens(self, passages: list[str], prefix: str | None = None) -> list[np.ndarray]:
+        """Token vectors for multi-vector (late-interaction) scoring (seed 002: XTR; ColBERT's sum-of-max): each
+        passage's last hidden states at its real tokens (special tokens included, padding left out), L2-normalised,
+        from the same tokenizer, truncation, batches and dtype as :meth:`encode`.
+
+        Returns:
+            one (n_tokens_i, dim) float32 array per passage, in input order.
+        """
+        import torch
+
+        if self._model is None:
+            self.setup()
+        prefix = self.passage_prefix if prefix is None else prefix
+        if not passages:
+            return []
+        enc = self._tokenizer([prefix + p for p in passages], truncation=True, max_length=self.max_length,
+                              padding=False)
+        features = [{k: enc[k][i] for k in enc} for i in range(len(passages))]
+        lengths = [len(f["input_ids"]) for f in features]
+        out: list[np.ndarray | None] = [None] * len(passages)
+        autocast = self.dtype in ("bfloat16", "float16") and self.device == "cpu"
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for length, idx in length_batches(lengths, self.max_length, self.batch_size):
+                batch = self._tokenizer.pad([features[j] for j in idx], padding="max_length", max_length=length,
+                                            return_tensors="pt").to(self.device)
+                hidden = self._model(**batch).last_hidden_state  # (batch, length, dim)
+                hidden = torch.nn.functional.normalize(hidden.float(), dim=-1).cpu().numpy()
+                real = batch["attention_mask"].bool().cpu().numpy()  # (batch, length); padding on either side
+                for row, j in enumerate(idx):
+                    out[j] = np.ascontiguousarray(hidden[row][real[row]], dtype=np.float32)  # (n_tokens, dim)
+        return out
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         """Add ``vectors`` (list<fixed_size_list<float32, dim>>), ``n_token_truncated`` (int32: passages of the
         document cut to ``max_length`` tokens) and ``n_vector_reused`` (int32: passages whose vector came from

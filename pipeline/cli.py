@@ -363,6 +363,7 @@ examples:
   pairmine eval --beir data/fiqa-pairs-beir --sts data/stsbenchmark/sts-test.csv --output evals/minilm
   pairmine eval --model /models/e5-base-unsupervised --beir data/scifact --output evals/e5   # prefixes: query:/passage:
   pairmine eval --model checkpoints/step-1000 --beir data/fiqa --query-prefix '' --set embed.batch_size=64
+  pairmine eval --beir data/fiqa-pairs-beir --scoring xtr --k-prime 1000    # multi-vector (token) scoring
 """
 
 COMPARE_EPILOG = """\
@@ -427,6 +428,12 @@ def add_eval_commands(sub) -> None:
     e.add_argument("--split", default="test", help="qrels file to use: qrels/<split>.tsv (default: test)")
     e.add_argument("--sts", metavar="FILE", help="STS-B style tab-separated file (genre, file, year, id, score, "
                    "sentence1, sentence2): adds Spearman correlation")
+    e.add_argument("--scoring", choices=("dense", "xtr", "sum-of-max"), default="dense",
+                   help="dense (default): one mean-pooled vector per text, exact search; xtr: the encoder's token "
+                   "vectors, a faiss token index, documents scored from the retrieved tokens only with the k'-th "
+                   "score imputed (seed 002, XTR); sum-of-max: token vectors, ColBERT's exact score over every token")
+    e.add_argument("--k-prime", type=int, default=1000, metavar="N",
+                   help="with --scoring xtr: tokens retrieved per query token (default 1000)")
     e.add_argument("--output", metavar="DIR", help="folder for summary.json and per_query.json, local or s3:// "
                    "(default: evals/<UTC time>-<suffix>); files there are replaced")
     e.add_argument("--query-prefix", metavar="TEXT", help='text put before each query (default: from the model: its '
@@ -508,7 +515,7 @@ def cmd_eval(args) -> int:
 
     cfg = _load(args, ((args.model, "embed.model"), (args.query_prefix, "embed.query_prefix"),
                        (args.passage_prefix, "embed.passage_prefix")), command="eval")
-    res = evaluate(cfg, args.beir, args.sts, args.output or "", args.split)
+    res = evaluate(cfg, args.beir, args.sts, args.output or "", args.split, args.scoring, args.k_prime)
     s = res.summary
     print(f"model: {s['model']} (query prefix {s['query_prefix']!r}, passage prefix {s['passage_prefix']!r})")
     if "retrieval" in s:

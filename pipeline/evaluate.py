@@ -325,6 +325,74 @@ def exact_search(queries: np.ndarray, corpus: np.ndarray, k: int = TOP_K, block_
     return np.concatenate(scores), np.concatenate(indices).astype(np.int64)
 
 
+SCORINGS = ("dense", "xtr", "sum-of-max")
+K_PRIME = 1000  # tokens retrieved per query token for --scoring xtr (ours; seed 002 varies k' from 100 up)
+
+
+def _token_matrix(doc_tokens: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Every document token as one (T, dim) float32 matrix, and the document of each row (T,) int64."""
+    if not doc_tokens:
+        return np.zeros((0, 1), np.float32), np.zeros(0, np.int64)
+    owner = np.repeat(np.arange(len(doc_tokens)), [len(t) for t in doc_tokens]).astype(np.int64)
+    return np.ascontiguousarray(np.concatenate(doc_tokens), dtype=np.float32), owner
+
+
+def sum_of_max_search(query_tokens: list[np.ndarray], doc_tokens: list[np.ndarray], k: int = TOP_K
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Exact late-interaction search: every document scored by ColBERT's sum-of-max over all of its tokens, divided
+    by the query's token count n (the ranking of sum-of-max; the scale of XTR's scores, seed 002 eq. 4).
+
+    Args:
+        query_tokens: one (n_i, dim) array of unit token vectors per query; doc_tokens: one (m_j, dim) per document.
+        k: hits per query.
+
+    Returns:
+        (scores (n_queries, k') float32, indices (n_queries, k') int64 into the documents), best first.
+    """
+    matrix, owner = _token_matrix(doc_tokens)
+    starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]]) if len(owner) else np.zeros(0, np.int64)
+    k = min(k, len(doc_tokens))
+    scores, indices = [], []
+    for q in query_tokens:
+        sims = q.astype(np.float32) @ matrix.T  # (n, T)
+        best = np.maximum.reduceat(sims, starts, axis=1) if len(starts) else np.zeros((len(q), 0), np.float32)
+        doc_scores = best.astype(np.float64).sum(0) / max(len(q), 1)  # (n_docs,)
+        top = np.argsort(-doc_scores, kind="stable")[:k]
+        scores.append(doc_scores[top].astype(np.float32))
+        indices.append(top)
+    return np.array(scores, np.float32).reshape(len(query_tokens), k), np.array(indices, np.int64).reshape(-1, k)
+
+
+def xtr_search(query_tokens: list[np.ndarray], doc_tokens: list[np.ndarray], k_prime: int = K_PRIME,
+               k: int = TOP_K) -> tuple[list[np.ndarray], list[np.ndarray], str]:
+    """XTR's search (seed 002, section 3.2): a faiss token index over every document token; each query token
+    retrieves its top ``k_prime`` tokens; the documents of those tokens are scored by
+    :func:`pipeline.xtr.f_xtr_prime` (best retrieved score per query token, else its k'-th score, averaged over the
+    query tokens). No document token outside the retrieved ones is read.
+
+    Returns:
+        (scores, indices, description): per query, up to ``k`` candidate scores (float32) and document indices
+        (int64), best first (ties by index); the index and k' used, in words.
+    """
+    import faiss
+
+    from pairmine.pipeline.xtr import f_xtr_prime
+
+    matrix, owner = _token_matrix(doc_tokens)
+    index = faiss.IndexFlatIP(matrix.shape[1])
+    index.add(matrix)
+    kp = min(k_prime, len(matrix))
+    all_scores, all_indices = [], []
+    for q in query_tokens:
+        sims, rows = index.search(np.ascontiguousarray(q, dtype=np.float32), kp)  # (n, k') each, best first
+        scored = f_xtr_prime([(owner[r], s) for r, s in zip(rows, sims)], len(q))
+        ranked = sorted(scored.items(), key=lambda item: (-item[1], item[0]))[:k]
+        all_scores.append(np.array([v for _, v in ranked], np.float32))
+        all_indices.append(np.array([d for d, _ in ranked], np.int64))
+    return all_scores, all_indices, f"XTR (seed 002 eq. 4): faiss IndexFlatIP over {len(matrix)} token vectors, " \
+                                    f"k' = {kp} tokens per query token, the k'-th score imputed"
+
+
 def trec_order(hits: dict[str, float]) -> list[tuple[str, float]]:
     """A query's hits in trec_eval's order: score descending, ties by document id descending (trec_eval sorts the
     run itself and ignores ranks), so a run cut to its top n is what ``trec_eval -M n`` scores."""
@@ -384,7 +452,8 @@ class EvalResult:
     summary: dict
 
 
-def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str = "", split: str = "test") -> EvalResult:
+def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str = "", split: str = "test",
+             scoring: str = "dense", k_prime: int = K_PRIME) -> EvalResult:
     """Evaluate the encoder of ``cfg.embed`` on a BEIR folder and/or an STS file; write summary.json and
     per_query.json (retrieval only) to ``output``.
 
@@ -395,6 +464,10 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
         sts: STS-B style file, local or ``s3://``, or None.
         output: folder for the JSON files (created), local or ``s3://``; empty: ``evals/<UTC time>-<suffix>``.
         split: the qrels file to use.
+        scoring: "dense" (one pooled vector per text, exact inner product), "xtr" (token vectors, XTR's search and
+            scoring from the retrieved tokens, :func:`xtr_search`) or "sum-of-max" (token vectors, ColBERT's exact
+            score over every token, :func:`sum_of_max_search`). STS always uses the pooled vectors.
+        k_prime: tokens retrieved per query token with ``scoring="xtr"``.
 
     Returns:
         :class:`EvalResult`. ``summary["retrieval"]["mean"]`` holds the mean nDCG@10, Recall@100, MRR@10 over the
@@ -408,6 +481,10 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
 
     if not beir and not sts:
         raise EvalInputError("nothing to evaluate: give --beir DIR and/or --sts FILE")
+    if scoring not in SCORINGS:
+        raise EvalInputError(f"--scoring {scoring!r}: must be one of {', '.join(SCORINGS)}")
+    if k_prime < 1:
+        raise EvalInputError(f"--k-prime {k_prime}: must be >= 1")
     t_start = time.time()
     storage = cfg.storage_layer()
     data = load_beir(beir, split, storage) if beir else None  # fail on bad input before loading the model
@@ -431,11 +508,20 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
     per_query = None
     if data is not None:
         t0 = time.time()
-        doc_vecs = embedder.encode(data.corpus_texts, prefix=pprefix)  # (n_docs, dim)
+        encode = embedder.encode if scoring == "dense" else embedder.encode_tokens
+        doc_vecs = encode(data.corpus_texts, prefix=pprefix)  # (n_docs, dim), or one (m_j, dim) per document
         t_docs = time.time() - t0
-        q_vecs = embedder.encode(data.query_texts, prefix=qprefix)  # (n_queries, dim)
+        q_vecs = encode(data.query_texts, prefix=qprefix)  # (n_queries, dim), or one (n_i, dim) per query
         t_queries = time.time() - t0 - t_docs
-        scores, idx = exact_search(q_vecs, doc_vecs, TOP_K)  # (n_queries, k)
+        search = f"exact, fp32 inner product of unit vectors, top {TOP_K}"
+        if scoring == "dense":
+            scores, idx = exact_search(q_vecs, doc_vecs, TOP_K)  # (n_queries, k)
+        elif scoring == "sum-of-max":
+            scores, idx = sum_of_max_search(q_vecs, doc_vecs, TOP_K)
+            search = f"exact late interaction (ColBERT sum-of-max / query tokens) over every token, top {TOP_K}"
+        else:
+            scores, idx, search = xtr_search(q_vecs, doc_vecs, k_prime, TOP_K)
+            search += f", top {TOP_K}"
         run = {q: {data.corpus_ids[j]: float(s) for j, s in zip(idx[i], scores[i])} for i, q in enumerate(data.query_ids)}
         per_query = ir_metrics(data.qrels, run)
         means = {m: float(np.mean([v[m] for v in per_query.values()])) for m in METRICS}
@@ -450,7 +536,8 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
             "metrics_library": _library_version("pytrec-eval-terrier"),
             "trec_measures": TREC_MEASURES,
             "mrr_note": "trec_eval recip_rank on the run cut to its top 10 (trec_eval -M 10)",
-            "search": f"exact, fp32 inner product of unit vectors, top {TOP_K}",
+            "scoring": scoring,
+            "search": search,
             "skipped": data.skips.as_dict(),
             "fingerprint": {"qrels_sha256": _sha256(join(root, "qrels", f"{split}.tsv"), storage),
                             "corpus_sha256": _sha256(join(root, "corpus.jsonl"), storage)},

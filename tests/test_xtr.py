@@ -1,0 +1,114 @@
+"""XTR's formulas (seed 002, sections 3.1-3.2; issue 12 item 3) checked by hand: the failure case the seed starts
+from, the training score's normaliser Z, the loss, and the inference score with the k'-th score imputed."""
+
+import json
+import math
+
+import numpy as np
+import torch
+
+from pairmine.pipeline.xtr import f_xtr, f_xtr_prime, in_batch_alignment, sum_of_max, token_similarities, xtr_loss
+
+
+def failure_case():
+    """One query of 2 tokens; document 0 (the positive) has 2 tokens at 0.8 to both query tokens; document 1 (a
+    negative) has one token at 0.9 to query token 0 and 0.1 everywhere else (seed 002, section 3)."""
+    sims = torch.zeros(1, 2, 2, 2, dtype=torch.float64)
+    sims[0, :, 0, :] = 0.8
+    sims[0, 0, 1] = torch.tensor([0.9, 0.1], dtype=torch.float64)
+    sims[0, 1, 1] = torch.tensor([0.1, 0.1], dtype=torch.float64)
+    return sims, torch.ones(1, 2, dtype=torch.bool), torch.ones(2, 2, dtype=torch.bool)
+
+
+def test_the_seed_failure_case_ranks_differently_under_sum_of_max_and_f_xtr():
+    sims, qm, dm = failure_case()
+    # sum-of-max: positive 0.8 + 0.8 = 1.6, negative 0.9 + 0.1 = 1.0: the positive first.
+    assert torch.allclose(sum_of_max(sims, qm, dm), torch.tensor([[1.6, 1.0]], dtype=torch.float64))
+    # k_train = 1: query token 0's best batch token is the negative's 0.9, query token 1's a positive 0.8:
+    # positive 0.8 / Z=1 = 0.8, negative 0.9 / Z=1 = 0.9: the negative first, and the loss is log(1 + e^0.1).
+    s1 = f_xtr(sims, qm, dm, k_train=1)
+    assert torch.allclose(s1, torch.tensor([[0.8, 0.9]], dtype=torch.float64))
+    assert math.isclose(xtr_loss(s1, torch.tensor([0])).item(), math.log(1 + math.exp(0.1)), rel_tol=1e-12)
+    assert math.isclose(math.log(1 + math.exp(0.1)), 0.744396660, rel_tol=1e-8)
+    # k_train = all 4 tokens: every token retrieved, Z = n = 2: positive 1.6 / 2 = 0.8, negative 1.0 / 2 = 0.5,
+    # i.e. sum-of-max / n.
+    s4 = f_xtr(sims, qm, dm, k_train=4)
+    assert torch.allclose(s4, torch.tensor([[0.8, 0.5]], dtype=torch.float64))
+    assert torch.allclose(s4, sum_of_max(sims, qm, dm) / 2)
+
+
+def test_alignment_ignores_padding_and_z_counts_only_query_tokens_that_retrieved():
+    sims, qm, dm = failure_case()
+    dm[1, 0] = False  # the negative's 0.9 token is padding now
+    qm_pad = torch.tensor([[True, False]])  # query token 1 is padding
+    a = in_batch_alignment(sims, qm_pad, dm, k_train=1)
+    assert a[0, 0].sum() == 1 and a[0, 0, 0].any() and not a[0, 1].any()  # the 0.9 is gone: a positive token wins
+    s = f_xtr(sims, qm_pad, dm, k_train=1)
+    assert torch.allclose(s, torch.tensor([[0.8, 0.0]], dtype=torch.float64))  # negative: Z = 0 -> 0
+
+
+def test_f_xtr_gradients_flow_only_through_the_aligned_maxima():
+    sims, qm, dm = failure_case()
+    sims.requires_grad_(True)
+    xtr_loss(f_xtr(sims, qm, dm, k_train=1), torch.tensor([0])).backward()
+    g = sims.grad
+    assert g[0, 0, 1, 0] > 0  # the negative's 0.9 token is pushed down... (loss grows with the negative's score)
+    assert g[0, 1, 0].abs().sum() > 0  # ...and the positive's retrieved 0.8 token gets a gradient
+    assert g[0, 0, 0].abs().sum() == 0 and g[0, :, 1, 1].abs().sum() == 0  # tokens not retrieved get none
+
+
+def test_inference_score_imputes_the_k_prime_th_score():
+    # Query token 0 retrieved (doc 5: 0.9, doc 7: 0.7, doc 5: 0.6): m_0 = 0.6; query token 1 retrieved
+    # (doc 7: 0.8, doc 7: 0.5, doc 9: 0.4): m_1 = 0.4.
+    hits = [(np.array([5, 7, 5]), np.array([0.9, 0.7, 0.6])), (np.array([7, 7, 9]), np.array([0.8, 0.5, 0.4]))]
+    scores = f_xtr_prime(hits, 2)
+    assert scores == {5: (0.9 + 0.4) / 2, 7: (0.7 + 0.8) / 2, 9: (0.6 + 0.4) / 2}
+
+
+def test_with_every_token_retrieved_the_inference_score_is_sum_of_max_over_n():
+    rng = np.random.default_rng(0)
+    q = torch.nn.functional.normalize(torch.tensor(rng.normal(size=(1, 5, 16))), dim=-1)
+    d = torch.nn.functional.normalize(torch.tensor(rng.normal(size=(6, 7, 16))), dim=-1)
+    sims = token_similarities(q, d)  # (1, 5, 6, 7)
+    flat = sims[0].reshape(5, 42).numpy()
+    owner = np.repeat(np.arange(6), 7)
+    hits = []
+    for i in range(5):  # k' = every corpus token: the whole list, best first
+        order = np.argsort(-flat[i], kind="stable")
+        hits.append((owner[order], flat[i][order]))
+    scores = f_xtr_prime(hits, 5)
+    exact = (sum_of_max(sims, torch.ones(1, 5, dtype=torch.bool), torch.ones(6, 7, dtype=torch.bool)) / 5)[0]
+    assert sorted(scores) == list(range(6))
+    assert np.allclose([scores[j] for j in range(6)], exact.numpy(), rtol=0, atol=1e-12)
+
+
+def test_eval_xtr_scoring_with_every_token_retrieved_equals_sum_of_max(tiny_model_dir, tmp_path):
+    """pairmine eval --scoring xtr (faiss token index, the k'-th score imputed) against --scoring sum-of-max (every
+    token read) on a small corpus: with k' = every corpus token they give the same scores and metrics; with k' = 1
+    the candidates are only the documents of the query tokens' single best tokens (issue 12 item 4)."""
+    from pairmine.pipeline.config import load_config
+    from pairmine.pipeline.evaluate import evaluate, make_embedder
+    from tests.test_evaluate import write_beir
+
+    corpus = [f'{{"_id": "d{i}", "text": "document number {i} about topic {i % 3} and item {i % 7}"}}'
+              for i in range(30)]
+    queries = ['{"_id": "q1", "text": "topic 1"}', '{"_id": "q2", "text": "number 7 item 0"}',
+               '{"_id": "q3", "text": "about topic 2"}']
+    root = write_beir(tmp_path / "b", corpus, queries, "q1\td1\t1\nq2\td7\t2\nq3\td2\t1\n")
+    cfg = load_config(overrides=[f"embed.model={tiny_model_dir}", "embed.dtype=float32", "embed.batch_size=8"])
+    texts = [json.loads(c)["text"] for c in corpus]
+    tokens = make_embedder(cfg).encode_tokens(texts)
+    assert [len(t) for t in tokens][:2] == [11, 11]  # [CLS] + 9 words + [SEP], padding left out
+    assert all(np.allclose(np.linalg.norm(t, axis=1), 1.0, atol=1e-5) for t in tokens)
+    n_tokens = sum(len(t) for t in tokens)
+
+    exact = evaluate(cfg, str(root), output=str(tmp_path / "som"), scoring="sum-of-max")
+    full = evaluate(cfg, str(root), output=str(tmp_path / "xtr"), scoring="xtr", k_prime=n_tokens)
+    one = evaluate(cfg, str(root), output=str(tmp_path / "xtr1"), scoring="xtr", k_prime=1)
+    pq_exact = json.loads((tmp_path / "som" / "per_query.json").read_text())["queries"]
+    pq_full = json.loads((tmp_path / "xtr" / "per_query.json").read_text())["queries"]
+    assert pq_full == pq_exact
+    assert full.summary["retrieval"]["scoring"] == "xtr" and f"k' = {n_tokens}" in full.summary["retrieval"]["search"]
+    assert exact.summary["retrieval"]["mean"] == full.summary["retrieval"]["mean"]
+    # k' = 1: each query token retrieves one token, so at most n documents are candidates (recall is cut).
+    assert one.summary["retrieval"]["mean"]["recall@100"] <= exact.summary["retrieval"]["mean"]["recall@100"]
