@@ -290,7 +290,8 @@ class Embedder:
 
     def encode_tokens(self, passages: list[str], prefix: str | None = None) -> list[np.ndarray]:
         """Token vectors for multi-vector (late-interaction) scoring (seed 002: XTR; ColBERT's sum-of-max): each
-        passage's last hidden states at its real tokens (special tokens included, padding left out), L2-normalised,
+        passage's last hidden states at its word tokens (special tokens and padding left out, as in training with
+        ``train.objective = xtr``), L2-normalised,
         from the same tokenizer, truncation, batches and dtype as :meth:`encode`.
 
         Returns:
@@ -315,7 +316,9 @@ class Embedder:
                                             return_tensors="pt").to(self.device)
                 hidden = self._model(**batch).last_hidden_state  # (batch, length, dim)
                 hidden = torch.nn.functional.normalize(hidden.float(), dim=-1).cpu().numpy()
-                real = batch["attention_mask"].bool().cpu().numpy()  # (batch, length); padding on either side
+                ids = batch["input_ids"]
+                special = torch.isin(ids, torch.tensor(self._tokenizer.all_special_ids, device=ids.device))
+                real = (batch["attention_mask"].bool() & ~special).cpu().numpy()  # (batch, length) word tokens
                 for row, j in enumerate(idx):
                     out[j] = np.ascontiguousarray(hidden[row][real[row]], dtype=np.float32)  # (n_tokens, dim)
         return out

@@ -135,6 +135,9 @@ def _add_train_parser(sub) -> None:
                    "related passage; random: a random other passage of the same document, drawn from all its passages "
                    "(re-chunked from the run's input, which must still be there; the paper's ablation). "
                    "Same as train.positives")
+    t.add_argument("--objective", choices=("xprt", "xtr"), help="xprt (default): the full xPRT objective (seed 000); "
+                   "xtr: XTR's in-batch token retrieval loss on anchor -> positive (seed 002), a multi-vector model "
+                   "to evaluate with pairmine eval --scoring xtr. Same as train.objective")
     t.add_argument("--model", metavar="MODEL", help="starting encoder (folder or hub id; default: all-MiniLM-L6-v2). "
                    "Same as train.model")
     t.add_argument("--config", metavar="FILE", help="TOML file with [section] tables, see the keys below")
@@ -148,11 +151,13 @@ def cmd_train(args) -> int:
     from pairmine.pipeline.train import train
     from pairmine.pipeline.train_config import load_train_config
 
-    cfg = _load(args, ((args.positives, "train.positives"), (args.model, "train.model"),
-                       (args.ray_address, "ray.address")), load_train_config)
+    cfg = _load(args, ((args.positives, "train.positives"), (args.objective, "train.objective"),
+                       (args.model, "train.model"), (args.ray_address, "ray.address")), load_train_config)
     result = train(cfg, args.groups or "", args.output, args.negatives or "")
     m = result.metrics or {}
-    terms = (f"InfoNCE {m.get('l_nce')}, KL {m.get('l_kl')}" if args.negatives else f"L_xp {m.get('l_xp')}")
+    terms = (f"InfoNCE {m.get('l_nce')}, KL {m.get('l_kl')}" if args.negatives
+             else f"XTR, query tokens retrieving their positive {m.get('z_positive')}" if cfg.train.objective == "xtr"
+             else f"L_xp {m.get('l_xp')}")
     print(f"output: {result.output}\nsteps: {result.steps}; last loss {m.get('loss')} ({terms}, "
           f"P(positive) {m.get('p_positive')})\nexported encoder: {result.export_dir}")
     return 0

@@ -38,7 +38,7 @@ from pairmine.pipeline.ray_adapter import (
     Stage, apply_stage, configure_data, format_stage_figures, init_ray, plan_for, stage_figures, watched,
 )
 from pairmine.pipeline.run_folder import (  # noqa: F401 - RunExistsError, merge_stats, write_json re-exported
-    LATEST_POINTER, Parts, RunExistsError, RunFolder, merge_stats, read_json, unit_key, write_json,
+    Parts, RunExistsError, RunFolder, merge_stats, read_json, unit_key, write_json,
 )
 
 log = logging.getLogger("pairmine")

@@ -598,6 +598,69 @@ def xprt_step(model, frozen, tokenizer, batch: dict, cfg: TrainConfig, step: int
     return terms, w_ret, grad_norm, (a.detach(), p.detach(), all_docs)
 
 
+def xtr_step(model, tokenizer, batch: dict, cfg: TrainConfig, world: int, device, amp, optimizer, scheduler):
+    """One optimizer step of XTR's objective (``train.objective = xtr``; seed 002 section 3.1) on this worker's part
+    of the global batch: anchors (queries) and their positives (s1, or random positives) through the encoder in one
+    forward pass, token vectors L2-normalised (special tokens and padding left out), gathered over the workers;
+    :func:`pipeline.xtr.f_xtr` of every anchor against every positive of the global batch with in-batch top-
+    ``loss.xtr_k_train`` retrieval; cross-entropy of each anchor's own positive (:func:`pipeline.xtr.xtr_loss`,
+    temperature ``loss.xtr_tau``), other groups of the same document masked out (``loss.mask_same_doc``).
+
+    Returns:
+        dict of scalar tensors: loss, p_positive (mean softmax probability of the positive), z_positive (mean share
+        of query tokens that retrieved a token of their positive), grad_norm.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from pairmine.operators.consistency import doc_hash
+    from pairmine.pipeline.xprt import gather_with_grad
+    from pairmine.pipeline.xtr import f_xtr, in_batch_alignment, token_similarities, xtr_loss
+
+    lo = cfg.loss
+    g = len(batch["anchor_text"])
+    positives = batch["positive_text"] if "positive_text" in batch else [r[0] for r in batch["related_texts"]]
+    prefix = cfg.resolved_prefix()
+    enc = tokenizer([prefix + t for t in list(batch["anchor_text"]) + list(positives)], padding=True, truncation=True,
+                    max_length=cfg.train.max_length, return_tensors="pt")
+    ids, attn = enc["input_ids"], enc["attention_mask"]  # (2g, seq)
+    if world > 1:  # every worker pads to the longest sequence of the global batch, so that the gather fits
+        seq = torch.tensor([ids.shape[1]], device=device)
+        dist.all_reduce(seq, op=dist.ReduceOp.MAX)
+        pad = int(seq) - ids.shape[1]
+        ids = F.pad(ids, (0, pad), value=tokenizer.pad_token_id or 0)
+        attn = F.pad(attn, (0, pad), value=0)
+    real = (attn == 1) & ~torch.isin(ids, torch.tensor(tokenizer.all_special_ids))  # (2g, seq) scored tokens
+    docs = torch.tensor([doc_hash(str(d)) for d in batch["doc_id"]], dtype=torch.int64, device=device)
+    model.train()
+    with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+        hidden = model(ids.to(device), attn.to(device), tokens=True)  # (2g, seq, dim)
+    tok = F.normalize(hidden.float(), dim=-1)
+    q, d = gather_with_grad(tok[:g]), gather_with_grad(tok[g:])  # (world * g, seq, dim) each
+    real = real.to(device)
+    qm, dm = gather_with_grad(real[:g]), gather_with_grad(real[g:])  # (world * g, seq) each
+    all_docs = gather_with_grad(docs)  # (world * g,)
+    sims = token_similarities(q, d)  # (world * g, seq, world * g, seq)
+    scores = f_xtr(sims, qm, dm, lo.xtr_k_train)  # (world * g, world * g)
+    n = len(scores)
+    if lo.mask_same_doc:  # another group's positive from the anchor's own document is not a negative
+        same = (all_docs[:, None] == all_docs[None, :]) & ~torch.eye(n, dtype=torch.bool, device=device)
+        scores = scores.masked_fill(same, float("-inf"))
+    target = torch.arange(n, device=device)
+    loss = xtr_loss(scores, target, lo.xtr_tau)
+    optimizer.zero_grad(set_to_none=True)
+    (world * loss).backward()  # a global-batch term on every worker (as xprt_step's): DDP's average is the gradient
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
+    optimizer.step()
+    scheduler.step()
+    with torch.no_grad():
+        p_pos = torch.softmax(scores / lo.xtr_tau, dim=1).diagonal().mean()
+        hit = in_batch_alignment(sims, qm, dm, lo.xtr_k_train).any(-1)  # (world * g, seq, world * g)
+        z_pos = (hit[target, :, target].sum(1).float() / qm.sum(1).clamp(min=1)).mean()
+    return {"loss": loss.detach(), "p_positive": p_pos, "z_positive": z_pos, "grad_norm": grad_norm}
+
+
 def negatives_step(model, tokenizer, batch: dict, cfg: TrainConfig, world: int, device, amp, optimizer, scheduler,
                    use_teacher: bool = False):
     """One optimizer step of the hard-negative objective (``pairmine train --negatives``; seed 004 chapter 3) on this
@@ -743,8 +806,11 @@ def train_loop(config: dict) -> None:
                 rest = f"epoch {epoch} starts at its first batch"
             log.info("resumed from checkpoint at step %d of %d (%s): %s", step, total, source, rest)
     on_negatives = config.get("objective") == "negatives"
-    # The hard-negative objective uses the encoder only: DDP must not wait for the decoder's and head's gradients.
-    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": on_negatives})
+    on_xtr = config.get("objective") == "xtr"
+    # The hard-negative and XTR objectives use the encoder only: DDP must not wait for the decoder's and head's
+    # gradients.
+    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={
+        "find_unused_parameters": on_negatives or on_xtr})
     inner = model.module if hasattr(model, "module") else model
     start_step = step
     metrics_log = MetricsLog(output, step, config["storage"]) if rank == 0 else None
@@ -768,6 +834,25 @@ def train_loop(config: dict) -> None:
             if seen <= skip:
                 continue
             done += 1
+            if on_xtr:
+                terms = xtr_step(model, tokenizer, batch, cfg, world, device, amp, optimizer, scheduler)
+                step += 1
+                now = time.time()
+                g = len(batch["anchor_text"])
+                metrics = {k: round(float(v), 6) for k, v in terms.items()}
+                metrics.update({"step": step, "epoch": epoch, "start_step": start_step,
+                                "batch": batch_digest(batch["group_id"], world, device),
+                                "lr": scheduler.get_last_lr()[0], "groups": g * world,
+                                "groups_per_s": round(g * world / max(now - t_last, 1e-9), 3), "time": round(now, 3)})
+                t_last = now
+                if rank == 0 and (step % 10 == 0 or step == 1 or step == total):
+                    log.info("step %d/%d loss %.4f (XTR, k_train %d) p+ %.3f, query tokens retrieving their "
+                             "positive %.3f, %.2f groups/s", step, total, metrics["loss"], lo.xtr_k_train,
+                             metrics["p_positive"], metrics["z_positive"], metrics["groups_per_s"])
+                _report(metrics, step, total, every, rank, metrics_log, inner, optimizer, scheduler, epoch)
+                if done == todo:
+                    break
+                continue
             if on_negatives:
                 terms = negatives_step(model, tokenizer, batch, cfg, world, device, amp, optimizer, scheduler,
                                        config.get("teacher", False))
@@ -903,6 +988,9 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
     if negatives and cfg.train.positives != "xprt":
         raise ConfigError("train.positives applies to --groups; --negatives trains on the negatives run's own "
                           "positives")
+    if negatives and cfg.train.objective != "xprt":
+        raise ConfigError(f"train.objective = {cfg.train.objective!r} trains on --groups; --negatives has its own "
+                          "objective (InfoNCE + KL)")
     if negatives:
         groups = negatives
         parts, run_dir = find_group_parts(negatives, storage, folder="negatives")
@@ -941,7 +1029,8 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
                           "(scaling.num_workers)")
     total = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * per_epoch
     what = (f"1 positive + {n_related} hard negatives each, objective InfoNCE{' + KL' if teacher else ''}"
-            if negatives else f"{n_related} related passages each, positives {cfg.train.positives}")
+            if negatives else f"{n_related} related passages each, positives {cfg.train.positives}, objective "
+            f"{cfg.train.objective}")
     log.info("training on %d groups (%s) from %s: %d steps of %d groups (%d per epoch: %d groups trained, %d left "
              "out), %d worker(s) on %s; Ray %s", n_groups, what, run_dir, total, cfg.train.batch_size, per_epoch,
              trained_per_epoch, left_per_epoch, workers, "GPU (nccl)" if use_gpu else "CPU (gloo)", where)
@@ -979,7 +1068,7 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
         "config": cfg.to_dict(),
         "groups": {"path": groups, "run": run_dir, "parts": len(parts), "groups": n_groups, "related": n_related,
                    "groups_per_epoch_trained": trained_per_epoch, "groups_per_epoch_left_out": left_per_epoch},
-        "objective": "negatives" if negatives else "xprt",
+        "objective": "negatives" if negatives else cfg.train.objective,
         **({"negatives": {"pairs_left_out": left_out, "hard_negatives": cfg.distill.hard_negatives,
                           "teacher": teacher}} if negatives else {}),
         "resolved": {"workers": workers, "cpus_per_worker": cpus, "device": "cuda" if use_gpu else "cpu",
@@ -1002,7 +1091,7 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
         train_loop,
         train_loop_config={"cfg": cfg.to_dict(), "total_steps": total, "steps_per_epoch": per_epoch, "output": output,
                            "cpus_per_worker": cpus, "description": description.to_json(),
-                           "objective": "negatives" if negatives else "xprt", "teacher": teacher,
+                           "objective": "negatives" if negatives else cfg.train.objective, "teacher": teacher,
                            "resume_from": {"path": plan.resume_from, "step": plan.resume_step}
                            if plan.resume_from else None,
                            "storage": storage},  # the Storage object: its repr never shows credentials

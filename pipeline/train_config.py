@@ -15,6 +15,7 @@ from pairmine.pipeline.config import (
 )
 
 POSITIVES = ("xprt", "random")
+OBJECTIVES = ("xprt", "xtr")
 
 
 @dataclass
@@ -24,6 +25,9 @@ class TrainSection:
     passage_prefix: str | None = _f(None, 'text put before every passage; None: from the model (its '
                                     'pairmine_model.json, else "passage: " for E5, else ""), as pairmine mine')
     trust_remote_code: bool = _f(False, "allow model code from the model folder/hub (off unless you trust it)")
+    objective: str = _f("xprt", "xprt: the full xPRT objective (seed 000); xtr: XTR's in-batch token retrieval "
+                        "loss, anchor -> its positive, token vectors (seed 002; evaluate with pairmine eval "
+                        "--scoring xtr)")
     positives: str = _f("xprt", "xprt: the positive is s1, the top related passage (seed 000); random: a random other "
                         "passage of the same document, drawn from all its passages re-chunked from the run's input "
                         "(the paper's main ablation; SPEC 'Random positives')")
@@ -57,6 +61,10 @@ class LossSection:
     encoder_mask_rate: float = _f(0.15, "share of each encoder pass's tokens masked, BERT 80/10/10 (seed 000)")
     w_self: float = _f(0.1, "weight of L_self, the self fill-in against the encoder's own word distribution "
                        "(not given by the seed: our default)")
+    xtr_k_train: int = _f(64, "XTR (train.objective xtr): document tokens of the whole batch each query token "
+                          "retrieves in training (seed 002 sweeps 32-320 for batches of 128-320; ours for 64 groups)")
+    xtr_tau: float = _f(0.05, "XTR: temperature of the cross-entropy over f_XTR scores (seed 002's eq. 3 has none; "
+                        "token vectors are unit length, so scores lie in [-1, 1]: ours, as loss.tau)")
     w_mlm: float = _f(0.1, "weight of L_MLM on the encoder's masked passes (not given by the seed: our default)")
     w_unif: float = _f(0.1, "weight of L_unif over the batch's anchors (not given by the seed: our default)")
     unif_t: float = _f(2.0, "t in L_unif = log mean exp(-t |x - y|^2) (Wang & Isola's t = 2)")
@@ -144,6 +152,9 @@ class TrainConfig(Sections):
         t, lo, sc, ck = self.train, self.loss, self.scaling, self.checkpoint
         self.check([
             ("train.positives", t.positives in POSITIVES, "one of " + ", ".join(POSITIVES)),
+            ("train.objective", t.objective in OBJECTIVES, "one of " + ", ".join(OBJECTIVES)),
+            ("loss.xtr_k_train", lo.xtr_k_train >= 1, ">= 1"),
+            ("loss.xtr_tau", lo.xtr_tau > 0, "> 0"),
             ("train.batch_size", t.batch_size >= 2, ">= 2 (in-batch negatives)"),
             ("train.max_length", t.max_length >= 8, ">= 8"),
             ("train.epochs", t.epochs >= 1, ">= 1"),

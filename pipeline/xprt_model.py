@@ -130,10 +130,11 @@ class XPRTModel(nn.Module):
 
     def forward(self, enc_ids: torch.Tensor, attention_mask: torch.Tensor, enc_chosen: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, dec_ids: torch.Tensor | None = None,
-                dec_chosen: torch.Tensor | None = None, groups: int = 0) -> XPRTOutput | torch.Tensor:
+                dec_chosen: torch.Tensor | None = None, groups: int = 0, tokens: bool = False
+                ) -> XPRTOutput | torch.Tensor:
         """All encoder and decoder passes of one batch; with ``enc_chosen`` None, the encoder's mean-pooled vectors
-        only ((rows, dim), not normalised: the hard-negative objective, which needs no decoder), so that DDP sees
-        every step's forward.
+        only ((rows, dim), not normalised: the hard-negative objective, which needs no decoder), or with ``tokens``
+        its last hidden states ((rows, seq, dim): XTR's token vectors), so that DDP sees every step's forward.
 
         Args:
             enc_ids: (P * G, seq) 15%-masked passages, passage-major: rows [0:G] anchors, [G:2G] positives (s1, or
@@ -145,6 +146,8 @@ class XPRTModel(nn.Module):
             dec_chosen: (P * G, seq) bool, the decoder's masked positions.
             groups: G, the number of groups in the batch (P = rows / G passages per group).
         """
+        if enc_chosen is None and tokens:
+            return self.encoder(input_ids=enc_ids, attention_mask=attention_mask).last_hidden_state
         if enc_chosen is None:
             return self.embed(enc_ids, attention_mask)
         rows, seq = enc_ids.shape

@@ -169,6 +169,30 @@ sum in another order; bitwise on some CPUs, not on all, as a clean-clone CI show
 this and everything else (ids, texts, related indices, counts) exactly."""
 
 
+@pytest.fixture(scope="session")
+def tiny_groups(tmp_path_factory, sample_dir, tiny_model_dir):
+    """A committed mining run: the 24 documents of the first sample shard with the most passages, tiny model (the
+    groups that test_train and test_xtr train on)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from pairmine.operators.chunk import chunk_text
+    from pairmine.pipeline.config import load_config
+    from pairmine.pipeline.mine import mine
+
+    d = tmp_path_factory.mktemp("train-input")
+    t = pq.read_table(sample_dir / "000_00000.parquet", columns=["id", "text", "url"])
+    n = [len(chunk_text(x).passages) for x in t.column("text").to_pylist()]
+    keep = sorted(np.argsort(n)[::-1][:24].tolist())
+    pq.write_table(t.take(keep), d / "docs.parquet")
+    cfg = load_config(overrides=[f"input.path={d / 'docs.parquet'}", f"output.path={d / 'runs'}", "output.run_id=tiny",
+                                 f"embed.model={tiny_model_dir}", "embed.dtype=float32", "anchors.threshold=0.99",
+                                 "consistency.enabled=false"])
+    stats = mine(cfg).stats
+    assert stats["groups"] >= 100
+    return d / "runs" / "tiny"
+
+
 def assert_same_groups(a, b, atol: float = SCORE_ATOL) -> None:
     """Two group tables hold the same groups: the same rows in the same order, every non-float column equal, every
     float column (or list of floats) within ``atol``.

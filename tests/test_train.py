@@ -22,7 +22,6 @@ import torch
 
 from pairmine.operators.chunk import chunk_text
 from pairmine.pipeline.config import load_config, run_token_limit
-from pairmine.pipeline.mine import mine
 from pairmine.pipeline.positives import ROW_SCHEMA, check_inputs_unchanged, draw_random_positives, with_random_positives
 from pairmine.pipeline.train import (
     CHECKPOINT_MARKER, RAY_SNAPSHOT, STATE_FILE, ResumePlan, _save_state, checkpoint_dir_name, epoch_accounting,
@@ -37,22 +36,6 @@ TRAIN_ARGS = ["--set", "scaling.num_workers=2", "--set", "train.batch_size=8", "
 
 def _cli(*args) -> list[str]:
     return [sys.executable, "-m", "pairmine.pipeline.cli", *args]
-
-
-@pytest.fixture(scope="module")
-def tiny_groups(tmp_path_factory, sample_dir, tiny_model_dir):
-    """A committed mining run: the 24 documents of the first sample shard with the most passages, tiny model."""
-    d = tmp_path_factory.mktemp("train-input")
-    t = pq.read_table(sample_dir / "000_00000.parquet", columns=["id", "text", "url"])
-    n = [len(chunk_text(x).passages) for x in t.column("text").to_pylist()]
-    keep = sorted(np.argsort(n)[::-1][:24].tolist())
-    pq.write_table(t.take(keep), d / "docs.parquet")
-    cfg = load_config(overrides=[f"input.path={d / 'docs.parquet'}", f"output.path={d / 'runs'}", "output.run_id=tiny",
-                                 f"embed.model={tiny_model_dir}", "embed.dtype=float32", "anchors.threshold=0.99",
-                                 "consistency.enabled=false"])
-    stats = mine(cfg).stats
-    assert stats["groups"] >= 100
-    return d / "runs" / "tiny"
 
 
 def _metrics(out: Path) -> list[dict]:
