@@ -1,4 +1,5 @@
-"""One run's folder and its lifecycle, shared by the jobs that write one (``mine``, ``filter-pairs``).
+"""One run's folder and its lifecycle, shared by the jobs that write one (``mine``, ``filter-pairs``,
+``negatives``).
 
     check      the output path is a folder; the run id is not committed; a plan of an earlier attempt
                (``_state/plan.json``) has the same inputs and result-deciding config (else RunExistsError)
@@ -161,7 +162,8 @@ def commit_shard(run_dir: str, shard: dict, stats: dict, parts: Parts, storage) 
 class RunFolder:
     """One run folder ``<output>/<run_id>/`` through its lifecycle (module docstring): the plan and resume checks,
     the kept work of an earlier attempt, per-unit records and per-shard commits while streaming, and the final
-    commit. Used by :func:`pipeline.mine.mine` and :func:`pipeline.filter_pairs.filter_pairs`.
+    commit. Used by :func:`pipeline.mine.mine`, :func:`pipeline.filter_pairs.filter_pairs` and
+    :func:`pipeline.negatives.negatives`.
 
     Args:
         output: the folder (path or URL) that holds runs; run_id: this run's id.
@@ -364,7 +366,8 @@ class RunFolder:
         progress.done()
         short = {k: (seen.get(k, 0), rows_by_unit[k]) for k in map(unit_key, todo) if seen.get(k, 0) != rows_by_unit[k]}
         if short:
-            raise RuntimeError(f"rows missing after the stream (work unit: seen, expected): {dict(list(short.items())[:10])}")
+            raise RuntimeError("rows missing after the stream (work unit: seen, expected): "
+                               f"{dict(list(short.items())[:10])}")
         collect(timeout=None)
 
     def finalize(self, stats: dict, manifest: dict, latest: dict | None = None) -> None:
