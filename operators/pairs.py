@@ -204,18 +204,9 @@ class PairWriter:
         self.pool_size, self.k, self.side_output, self.storage = pool_size, k, side_output, storage
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        if "unit_offset" not in batch.column_names:
-            batch = batch.append_column("unit_offset", pa.array(np.zeros(batch.num_rows, np.int64)))
-        keys = np.stack([batch.column("shard_index").to_numpy().astype(np.int64),
-                         batch.column("unit_offset").to_numpy()], axis=1)
-        units = np.unique(keys, axis=0).tolist()
-        rows = [self._write_unit(batch.filter(pa.array((keys[:, 0] == s) & (keys[:, 1] == o)))) for s, o in units]
-        return pa.table({
-            "shard_index": pa.array([s for s, _ in units], pa.int32()),
-            "unit_offset": pa.array([o for _, o in units], pa.int64()),
-            "staged": pa.array([staged for staged, _ in rows], pa.list_(pa.string())),
-            "stats": [stats for _, stats in rows],
-        })
+        from pairmine.operators.write import write_per_unit
+
+        return write_per_unit(batch, self._write_unit)
 
     def _write_unit(self, batch: pa.Table) -> tuple[list[str], str]:
         """Stage one work unit's rows of a batch; returns (files staged, counts as JSON)."""

@@ -230,6 +230,25 @@ class _GroupRows:
         return stage_by_unit(storage, table, [s for s, _ in self.units], [o for _, o in self.units], root, kind)
 
 
+def write_per_unit(batch: pa.Table, write_unit) -> pa.Table:
+    """Run a write operator's ``write_unit`` on each work unit's rows of ``batch`` and return the operator's summary:
+    one row per (batch, work unit) with ``shard_index``, ``unit_offset``, ``staged`` (list<string>) and ``stats``
+    (JSON). ``write_unit(rows) -> (staged files, counts as JSON)``. Rows without a ``unit_offset`` column count as
+    one unit per shard (offset 0). Shared by filter-pairs' and negatives' writers."""
+    if "unit_offset" not in batch.column_names:
+        batch = batch.append_column("unit_offset", pa.array(np.zeros(batch.num_rows, np.int64)))
+    keys = np.stack([batch.column("shard_index").to_numpy().astype(np.int64),
+                     batch.column("unit_offset").to_numpy()], axis=1)
+    units = np.unique(keys, axis=0).tolist()
+    rows = [write_unit(batch.filter(pa.array((keys[:, 0] == s) & (keys[:, 1] == o)))) for s, o in units]
+    return pa.table({
+        "shard_index": pa.array([s for s, _ in units], pa.int32()),
+        "unit_offset": pa.array([o for _, o in units], pa.int64()),
+        "staged": pa.array([staged for staged, _ in rows], pa.list_(pa.string())),
+        "stats": [stats for _, stats in rows],
+    })
+
+
 def stage_by_unit(storage: Storage, table: pa.Table, shards, unit_offsets, root: str, kind: str
                   ) -> list[tuple[tuple[int, int], str]]:
     """Write ``table`` (rows with ``STAGING_SORT_COLUMN``) as one staging file per work unit under ``root``

@@ -37,7 +37,7 @@ from pairmine.pipeline.mine import (
 )
 from pairmine.pipeline.provenance import software_versions
 from pairmine.pipeline.ray_adapter import Stage, configure_data, init_ray, plan_for, run_remote
-from pairmine.pipeline.run_folder import Parts, RunFolder, merge_stats, unit_key
+from pairmine.pipeline.run_folder import Parts, RunFolder, unit_key
 
 log = logging.getLogger("pairmine")
 
@@ -220,16 +220,13 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         hint = (f"the shards committed so far stay in {folder.dir}: run the same command with --run-id {run_id} to "
                 "resume")
         folder.stream(stages, [_shard_dict(s) | {"index": s.index, "pool_size": pool_size} for s in uncommitted],
-                      todo, {k: n for k, n in unit_rows.items() if k[0] not in folder.records},
+                      todo, unit_rows,
                       Progress(sum(unit_rows[unit_key(u)] for u in todo), unit="pairs", counted="kept"),
                       cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, hint, None, light)
 
     # ---- commit -----------------------------------------------------------------------------------------------------
     records = folder.records
-    missing = [s.index for s in shards if s.index not in records]
-    if missing:
-        raise RuntimeError(f"shards {missing[:10]} were not committed; re-run with --run-id {run_id} to finish them")
-    total, hists = merge_stats([records[s.index]["stats"] for s in shards])
+    total, hists = folder.committed_stats(shards)
     skipped = {r: int(total.get(f"pairs_skipped.{r}", 0)) for r in PAIR_SKIP_REASONS}
     pairs_in, kept, dropped = int(total["pairs_in"]), int(total["pairs_kept"]), int(total["pairs_dropped_consistency"])
     usable = kept + dropped

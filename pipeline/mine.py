@@ -618,18 +618,15 @@ def mine(cfg: MineConfig) -> MineResult:
                  cfg.resolved_threshold(), cfg.threshold_source(), stage_plan.embed_actors, stage_plan.device,
                  stage_plan.threads)
         folder.stream(stages, [_shard_dict(s) | {"index": s.index, "pool_size": pool_size} for s in uncommitted],
-                      todo, {k: n for k, n in first.unit_rows.items() if k[0] not in folder.records},
+                      todo, first.unit_rows,
                       Progress(sum(first.unit_rows[unit_key(u)] for u in todo)), cfg.ray.stall_warn_s,
                       cfg.ray.stall_limit_s, hint, figures, stage_plan.light_cpus)
     elif c.enabled:  # every shard was committed by an earlier attempt
         pool_size = next((r.get("pool_size") for r in folder.records.values() if r.get("pool_size") is not None), None)
 
     # ---- commit: stats, manifest, then the success marker, then the pointer to the newest run --------------------
-    missing = [s.index for s in shards if s.index not in folder.records]
-    if missing:
-        raise RuntimeError(f"shards {missing[:10]} were not committed; re-run with --run-id {run_id} to finish them")
     records = folder.records
-    total, hists = merge_stats([records[s.index]["stats"] for s in shards])
+    total, hists = folder.committed_stats(shards)
     stats = build_stats(total, hists, cfg, first.docs, time.time() - t0)
     stats.update(run_id=run_id, consistency_enabled=c.enabled, shards=len(shards),
                  shards_resumed=len(shards) - len(uncommitted), units=len(first.units),
@@ -648,7 +645,7 @@ def mine(cfg: MineConfig) -> MineResult:
         "inputs": [_shard_dict(s, first.content_hashes.get(s.index, "")) for s in shards],
         "shards": [
             {"shard_index": s.index, "path": s.path, "part": records[s.index]["part"],
-             "groups": records[s.index]["groups"], "status": "committed",
+             "groups": records[s.index]["rows"], "status": "committed",
              "committed_utc": records[s.index]["committed_utc"]}
             for s in shards
         ],

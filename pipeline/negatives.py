@@ -40,7 +40,7 @@ from pairmine.pipeline.mine import (
 )
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
 from pairmine.pipeline.ray_adapter import Stage, configure_data, init_ray, plan_for, run_remote
-from pairmine.pipeline.run_folder import Parts, RunFolder, merge_stats, unit_key
+from pairmine.pipeline.run_folder import Parts, RunFolder, unit_key
 
 log = logging.getLogger("pairmine")
 
@@ -396,16 +396,13 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     if uncommitted:
         hint = f"the shards committed so far stay in {run_dir}: run the same command with --run-id {run_id} to resume"
         folder.stream(stages, [_shard_dict(s) | {"index": s.index} for s in uncommitted], todo,
-                      {k: r for k, r in unit_rows.items() if k[0] not in folder.records},
+                      unit_rows,
                       Progress(sum(unit_rows[unit_key(u)] for u in todo), unit="pairs", counted="negatives"),
                       cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, hint, None, light)
 
     # ---- commit -----------------------------------------------------------------------------------------------------
     records = folder.records
-    missing = [s.index for s in shards if s.index not in records]
-    if missing:
-        raise RuntimeError(f"shards {missing[:10]} were not committed; re-run with --run-id {run_id} to finish them")
-    total, _ = merge_stats([records[s.index]["stats"] for s in shards])
+    total, _ = folder.committed_stats(shards)
     skipped = {r: int(total.get(f"pairs_skipped.{r}", 0)) for r in PAIR_SKIP_REASONS}
     dropped = {r: int(total.get(f"negatives_dropped.{r}", 0)) for r in DROP_REASONS}
     pairs_in, pairs_out, kept = int(total["pairs_in"]), int(total["pairs_out"]), int(total["negatives"])

@@ -151,8 +151,7 @@ def commit_shard(run_dir: str, shard: dict, stats: dict, parts: Parts, storage) 
         _, side, _ = compact_shard(f"{staging}/{parts.side}", f"{run_dir}/{parts.side}", i, parts.schema,
                                    parts.sort_keys, storage)
     record = {"shard_index": i, "path": shard["path"], "key": shard["key"],
-              "part": f"{parts.folder}/{path.rsplit('/', 1)[-1]}", parts.folder: n, "rows": n,
-              f"{parts.side or 'side'}_rows": side, "staged_twice": dup, "pool_size": shard.get("pool_size"),
+              "part": f"{parts.folder}/{path.rsplit('/', 1)[-1]}", "rows": n, "side_rows": side, "staged_twice": dup, "pool_size": shard.get("pool_size"),
               "stats": stats, "committed_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     write_json(storage, f"{run_dir}/{STATE_DIR}/shard-{i:05d}.json", record)
     storage.rm(f"{run_dir}/{STATE_DIR}/units/shard-{i:05d}")
@@ -285,7 +284,7 @@ class RunFolder:
         Args:
             shards: every shard not yet committed, as dicts (``index``, ``path``, ``key``, optional
                 ``pool_size``) that go to :func:`commit_shard`.
-            rows_by_unit: rows of every unit of those shards, by :func:`unit_key`.
+            rows_by_unit: rows of every unit of the run, by :func:`unit_key` (units of committed shards are ignored).
             progress: a :class:`pipeline.mine.Progress` (rows, the job's count of kept rows).
             figures_out: when given, the pass's per-stage figures (:func:`pipeline.ray_adapter.stage_figures`) are
                 appended to it. commit_cpus: CPUs per commit task (the stage plan's ``ray.task_cpus``).
@@ -369,6 +368,19 @@ class RunFolder:
             raise RuntimeError("rows missing after the stream (work unit: seen, expected): "
                                f"{dict(list(short.items())[:10])}")
         collect(timeout=None)
+
+    def committed_stats(self, shards: list) -> tuple[Counter, dict[str, list[int]]]:
+        """The merged counts of every shard in ``shards`` (objects with ``index``), from their commit records
+        (:func:`merge_stats`).
+
+        Raises:
+            RuntimeError: a shard is not committed (the message says to re-run with the run id).
+        """
+        missing = [s.index for s in shards if s.index not in self.records]
+        if missing:
+            raise RuntimeError(f"shards {missing[:10]} were not committed; re-run with --run-id {self.run_id} to "
+                               "finish them")
+        return merge_stats([self.records[s.index]["stats"] for s in shards])
 
     def finalize(self, stats: dict, manifest: dict, latest: dict | None = None) -> None:
         """Commit the run: stats.json and manifest.json, staging and state removed (with temporary files of

@@ -65,6 +65,26 @@ def test_a_run_killed_mid_file_keeps_its_completed_row_groups(one_file, tiny_mod
     assert o.names("killed") == ["_SUCCESS", "dropped", "groups", "manifest.json", "stats.json", "tfidf.joblib"]
 
 
+def kill_after_first_commit_then_resume(cmd, root, log, job: str) -> tuple[int, dict, dict]:
+    """An uninterrupted run ``whole``, then run ``killed`` SIGKILLed after its first shard commit and run again.
+    Returns (shards committed at the kill, the resumed run's stats, the uninterrupted run's stats); the re-run's log
+    must name the committed shards."""
+    ref = subprocess.run(cmd("whole"), capture_output=True, text=True, timeout=900)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    p = start(cmd("killed"), log)
+    wait_for(lambda: any((root / "killed" / "_state").glob("shard-*.json")), p, what="the first shard commit")
+    kill_driver(p)
+    committed = len(list((root / "killed" / "_state").glob("shard-*.json")))
+    assert 1 <= committed < 4 and not (root / "killed" / "_SUCCESS").exists()
+    proc = subprocess.run(cmd("killed"), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming {job} run killed: {committed} of 4 shard(s) already committed" in proc.stderr
+    o = Out(str(root), None)
+    s = o.json("killed", "stats.json")
+    assert s["shards_resumed"] == committed and s["reconciled"]
+    return committed, s, o.json("whole", "stats.json")
+
+
 def test_filter_pairs_killed_after_a_shard_commit_resumes_the_rest(tiny_model_dir, tmp_path):
     """filter-pairs commits each shard as soon as its pairs are staged; a killed run re-run with its --run-id keeps
     the committed shards and gives the uninterrupted run's pairs."""
@@ -85,18 +105,7 @@ def test_filter_pairs_killed_after_a_shard_commit_resumes_the_rest(tiny_model_di
                 str(root), "--run-id", run_id, "--set", f"embed.model={tiny_model_dir}", "--set", "embed.dtype=float32",
                 "--set", "ray.docs_per_batch=16", "--set", "ray.num_cpus=2", "--set", "consistency.side_output=true"]
 
-    ref = subprocess.run(cmd("whole"), capture_output=True, text=True, timeout=900)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    p = start(cmd("killed"), tmp_path / "killed.log")
-    wait_for(lambda: any((root / "killed" / "_state").glob("shard-*.json")), p, what="the first shard commit")
-    kill_driver(p)
-    committed = len(list((root / "killed" / "_state").glob("shard-*.json")))
-    assert 1 <= committed < 4 and not (root / "killed" / "_SUCCESS").exists()
-    proc = subprocess.run(cmd("killed"), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resuming filter-pairs run killed: {committed} of 4 shard(s) already committed" in proc.stderr
-    s, r = o.json("killed", "stats.json"), o.json("whole", "stats.json")
-    assert s["shards_resumed"] == committed and s["reconciled"]
+    committed, s, r = kill_after_first_commit_then_resume(cmd, root, tmp_path / "killed.log", "filter-pairs")
     for key in ("pairs_in", "pairs_kept", "pairs_dropped_consistency", "pairs_skipped", "n_above_histogram",
                 "pool_size"):
         assert s[key] == r[key], key
@@ -134,18 +143,7 @@ def test_negatives_killed_after_a_shard_commit_resumes_the_rest(tiny_model_dir, 
                 f"embed.model={tiny_model_dir}", "--set", "embed.dtype=float32", "--set", "input.id_column=_id",
                 "--set", "ray.docs_per_batch=8", "--set", "ray.num_cpus=2"]
 
-    ref = subprocess.run(cmd("whole"), capture_output=True, text=True, timeout=900)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    p = start(cmd("killed"), tmp_path / "killed.log")
-    wait_for(lambda: any((root / "killed" / "_state").glob("shard-*.json")), p, what="the first shard commit")
-    kill_driver(p)
-    committed = len(list((root / "killed" / "_state").glob("shard-*.json")))
-    assert 1 <= committed < 4 and not (root / "killed" / "_SUCCESS").exists()
-    proc = subprocess.run(cmd("killed"), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resuming negatives run killed: {committed} of 4 shard(s) already committed" in proc.stderr
-    s, r = o.json("killed", "stats.json"), o.json("whole", "stats.json")
-    assert s["shards_resumed"] == committed and s["reconciled"]
+    committed, s, r = kill_after_first_commit_then_resume(cmd, root, tmp_path / "killed.log", "negatives")
     for key in ("pairs_in", "pairs_out", "negatives", "negatives_dropped", "pairs_skipped", "corpus_passages"):
         assert s[key] == r[key], key
     a = o.table("killed", "negatives").drop_columns(["run_id"]).sort_by("pair_id")
