@@ -3,7 +3,9 @@
 Any HuggingFace encoder loadable with ``transformers.AutoModel`` (a local folder or a hub id). Mean pooling over
 the attention mask, then L2 normalisation (the E5 / all-MiniLM recipe). Passages of a batch of documents are
 flattened, tokenised, and grouped by padded length: each passage is padded to the next multiple of
-:data:`PAD_MULTIPLE` tokens and a forward batch only holds passages of one padded length. So a passage's vector does
+:data:`PAD_MULTIPLE` tokens and a forward batch only holds passages of one padded length, as many as fill a token
+budget of ``batch_size x max_length`` tokens (:func:`length_batches`: short passages go in larger batches, so a
+forward pass does the same work whatever the lengths). So a passage's vector does
 not depend on which other passages share its batch (to ~1e-7: bitwise on some CPUs, but the matmul kernels a CPU
 picks for another batch size may sum in another order, so rankings compare scores on a grid,
 :data:`pairmine.operators.related.SCORE_RESOLUTION`), and padding stays small. Vectors are put back in document
@@ -71,8 +73,9 @@ def pick_dtype(requested: str, device: str) -> str:
         return "float32"
 
 
-PAD_MULTIPLE = 16
-"""Passages are padded to a multiple of this many tokens (see :func:`padded_length`)."""
+PAD_MULTIPLE = 8
+"""Passages are padded to a multiple of this many tokens (see :func:`padded_length`): on the shipped sample's
+passages (mean 134 tokens) 8 pads 2.6% more tokens than exact lengths, 16 padded 5.5%."""
 
 
 def text_keys(texts: list[str]) -> np.ndarray:
@@ -95,12 +98,18 @@ def known_vectors(texts: list[str], vectors: np.ndarray) -> tuple[np.ndarray, np
 
 def padded_length(n_tokens: int, max_length: int, multiple: int = PAD_MULTIPLE) -> int:
     """The length a passage of ``n_tokens`` tokens is padded to: the next multiple of ``multiple``, at most
-    ``max_length``. ``padded_length(17, 256) == 32``; ``padded_length(250, 250) == 250``."""
+    ``max_length``. ``padded_length(17, 256) == 24``; ``padded_length(250, 250) == 250``."""
     return min(-(-n_tokens // multiple) * multiple, max_length)
 
 
 def length_batches(lengths, max_length: int, batch_size: int) -> list[tuple[int, np.ndarray]]:
-    """Forward batches of passage indices, each holding passages of one padded length.
+    """Token-budget forward batches of passage indices, each holding passages of one padded length.
+
+    The budget is ``batch_size x max_length`` tokens: a batch of passages padded to ``length`` holds up to
+    ``batch_size * max_length // length`` of them (``batch_size`` at ``max_length``, 8x as many at an eighth of it),
+    so each forward pass does about the same work and short passages do not pay a small batch's overhead (which
+    matters on GPUs). Passages are not mixed across padded lengths, so a passage's padding never depends on its
+    batch-mates.
 
     Args:
         lengths: (n,) token counts (after truncation to ``max_length``).
@@ -111,10 +120,12 @@ def length_batches(lengths, max_length: int, batch_size: int) -> list[tuple[int,
         passage's batch-mates and padding depend only on the multiset of lengths, never on their order.
     """
     padded = np.array([padded_length(int(n), max_length) for n in lengths], dtype=np.int64)
+    budget = batch_size * max_length
     batches = []
     for length in np.unique(padded):
         idx = np.flatnonzero(padded == length)
-        batches += [(int(length), idx[i : i + batch_size]) for i in range(0, len(idx), batch_size)]
+        rows = max(1, budget // int(length))
+        batches += [(int(length), idx[i : i + rows]) for i in range(0, len(idx), rows)]
     return batches
 
 
@@ -170,7 +181,8 @@ class Embedder:
         model: local folder or hub id; empty means the default model (:func:`default_model_path`).
         passage_prefix: text put before every passage ("passage: " for E5 models, "" for all-MiniLM).
         max_length: tokens per passage; longer passages are truncated (and counted: ``n_token_truncated``).
-        batch_size: passages per forward pass.
+        batch_size: passages per forward pass at ``max_length``; shorter passages fill the same token budget,
+            ``batch_size x max_length`` tokens (:func:`length_batches`).
         dtype: "auto", "float32", "bfloat16" or "float16" (see :func:`pick_dtype`).
         device: "auto", "cpu" or "cuda" (see :func:`pick_device`).
         threads: torch CPU threads; 0 leaves torch's default.

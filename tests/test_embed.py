@@ -61,11 +61,15 @@ def test_operator_adds_vector_lists(fp32):
     assert rt == pytest.approx(matrix, abs=0)
 
 
-def test_padded_lengths_and_batches():
-    assert [padded_length(n, 256) for n in (1, 16, 17, 250, 256)] == [16, 16, 32, 256, 256]
+def test_padded_lengths_and_token_budget_batches():
+    assert [padded_length(n, 256) for n in (1, 8, 9, 17, 250, 256)] == [8, 8, 16, 24, 256, 256]
     assert padded_length(250, 250) == 250
-    batches = length_batches([5, 40, 17, 16, 33, 3], max_length=256, batch_size=2)
-    assert [(n, idx.tolist()) for n, idx in batches] == [(16, [0, 3]), (16, [5]), (32, [2]), (48, [1, 4])]
+    # max_length 32, batch_size 2: a budget of 64 tokens, so 8 passages of padded length 8, 4 of 16, 2 of 24 or 32
+    lengths = [5, 30, 17, 16, 25, 3, 8, 7, 32, 31, 9, 10]  # padded: 8 32 24 16 32 8 8 8 32 32 16 16
+    batches = length_batches(lengths, max_length=32, batch_size=2)
+    assert [(n, idx.tolist()) for n, idx in batches] == [
+        (8, [0, 5, 6, 7]), (16, [3, 10, 11]), (24, [2]), (32, [1, 4]), (32, [8, 9])]
+    assert [len(idx) for _, idx in length_batches([3] * 20, max_length=32, batch_size=2)] == [8, 8, 4]
 
 
 def test_vectors_do_not_depend_on_the_batch(fp32):
