@@ -194,12 +194,15 @@ def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage, 
 
     from pairmine.operators.embed import vector_matrix
 
-    per_row = 256
+    per_row = 1024  # passages per embed call: one progress step (~10 s on 2 CPU cores), many forward batches
     rows = [{"passages": passages[i : i + per_row], "hashes": doc_hashes[i : i + per_row].tolist()}
             for i in range(0, len(passages), per_row)]
     if not rows:
         return np.zeros((0, 1), np.float32), np.zeros(0, np.int64)
-    ds = apply_stage(ray.data.from_items(rows, override_num_blocks=len(rows)), embed_stage)
+    # One row per call: the main pass's docs_per_batch would put the whole pool in one call, with no progress to
+    # show (and the stall watch warning) until it all is embedded.
+    ds = apply_stage(ray.data.from_items(rows, override_num_blocks=len(rows)),
+                     dataclasses.replace(embed_stage, batch_size=1))
     mats, hashes = [], []
     done = lambda: f"{sum(len(m) for m in mats)} / {len(passages)} pool passages embedded"  # noqa: E731
     for batch in watched(ds.iter_batches(batch_size=None, batch_format="pyarrow"), [embed_stage], done,
@@ -576,6 +579,7 @@ def mine(cfg: MineConfig) -> MineResult:
     where = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     configure_data(cfg.ray.target_block_mb)
     stage_plan = plan_for(cfg, c.num_actors, c.enabled)
+    phases = {"start": time.time() - t0}  # wall seconds of each phase of the run (stats.json "phases_s")
     log.info("run %s -> %s: %d input shard(s) from %s; Ray %s", run_id, folder.dir, len(shards),
              cfg.input.path or "the shipped sample", where)
     log.info("stage plan: %s", stage_plan.describe())
@@ -592,6 +596,7 @@ def mine(cfg: MineConfig) -> MineResult:
                                                   pool_spec, storage, cfg.input.skip_duplicate_texts),
                        f"{folder.staging}/duplicates")
     tfidf, sample_passages, tfidf_note = _fit_tfidf(cfg, first.sample)
+    phases["first_pass"] = time.time() - t0 - sum(phases.values())
     log.info(
         "first pass: %d documents in %d work unit(s), %d duplicate id(s) and %d duplicate text(s) under other ids "
         "(found in %d hash range(s) on the workers), %.1f s; TF-IDF fitted on %d passages (vocabulary %d)",
@@ -612,7 +617,11 @@ def mine(cfg: MineConfig) -> MineResult:
     if uncommitted:
         hint = (f"the shards committed so far stay in {folder.dir}: run the same command with --run-id {run_id} to "
                 "resume once the cluster has room (or raise ray.stall_limit_s)")
+        t_pool = time.time()
         stages, pool_size = _mining_stages(cfg, stage_plan, tfidf, folder, first, figures, hint)
+        if c.enabled:  # embedding the consistency pool, before the main pass
+            phases["pool"] = time.time() - t_pool
+        t_main = time.time()
         log.info("mining %d shard(s) with %s (prefix %r, anchor threshold %.3f from %s): %d embed actor(s) on %s, "
                  "%d thread(s) each", len(uncommitted), model_id(cfg), cfg.resolved_prefix(),
                  cfg.resolved_threshold(), cfg.threshold_source(), stage_plan.embed_actors, stage_plan.device,
@@ -621,6 +630,7 @@ def mine(cfg: MineConfig) -> MineResult:
                       todo, first.unit_rows,
                       Progress(sum(first.unit_rows[unit_key(u)] for u in todo)), cfg.ray.stall_warn_s,
                       cfg.ray.stall_limit_s, hint, figures, stage_plan.light_cpus)
+        phases["main_pass"] = time.time() - t_main
     elif c.enabled:  # every shard was committed by an earlier attempt
         pool_size = next((r.get("pool_size") for r in folder.records.values() if r.get("pool_size") is not None), None)
 
@@ -630,7 +640,8 @@ def mine(cfg: MineConfig) -> MineResult:
     stats = build_stats(total, hists, cfg, first.docs, time.time() - t0)
     stats.update(run_id=run_id, consistency_enabled=c.enabled, shards=len(shards),
                  shards_resumed=len(shards) - len(uncommitted), units=len(first.units),
-                 units_resumed=len(first.units) - len(todo), stages=figures)
+                 units_resumed=len(first.units) - len(todo), stages=figures,
+                 phases_s={k: round(v, 2) for k, v in phases.items()})
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     manifest = {
         "run_id": run_id,
@@ -687,6 +698,10 @@ def _log_done(cfg: MineConfig, stats: dict, pool_size: int | None, run_dir: str)
             "processed documents have groups, %.2f groups per document with groups, %.1f%% of passages covered",
             b["groups"], b["docs_with_groups_pct"], b["groups_per_doc"], b["passage_coverage_pct"],
         )
+    if stats.get("phases_s"):
+        log.info("phases (wall s): %s; passages embedded in the main pass %d, taken from the pool's pass %d",
+                 ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in stats["phases_s"].items()),
+                 stats["passages"] - stats.get("passages_vector_reused", 0), stats.get("passages_vector_reused", 0))
     for line in format_stage_figures(stats["stages"]):
         log.info("stage figures: %s", line)
     if stats["passages_token_truncated"]:

@@ -92,6 +92,10 @@ def test_stats_reconcile_on_the_sample(default_run):
     assert [x for n in main for x in n] == ["read", "chunk", "embed", "centrality", "related", "consistency", "write"]
     assert next(f for f in stages[2:] if "embed" in f["stage"].split("+"))["rows_out"] == 827  # one row per document
     assert all(f["wall_s"] > 0 and f["busy_s"] > 0 and f["tasks"] > 0 for f in stages)
+    # The run's wall time by phase, measured in the driver (issue 15 item 3's figures come from it).
+    phases = s["phases_s"]
+    assert list(phases) == ["start", "first_pass", "pool", "main_pass"] and all(v > 0 for v in phases.values())
+    assert sum(phases.values()) <= s["elapsed_s"] + 0.05
 
 
 def test_group_invariants(default_run, sample_dir):
