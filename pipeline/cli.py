@@ -135,9 +135,12 @@ def _add_train_parser(sub) -> None:
                    "related passage; random: a random other passage of the same document, drawn from all its passages "
                    "(re-chunked from the run's input, which must still be there; the paper's ablation). "
                    "Same as train.positives")
-    t.add_argument("--objective", choices=("xprt", "xtr"), help="xprt (default): the full xPRT objective (seed 000); "
-                   "xtr: XTR's in-batch token retrieval loss on anchor -> positive (seed 002), a multi-vector model "
-                   "to evaluate with pairmine eval --scoring xtr. Same as train.objective")
+    t.add_argument("--objective", choices=("xprt", "xtr", "revela"), help="xprt (default): the full xPRT objective "
+                   "(seed 000); xtr: XTR's in-batch token retrieval loss on anchor -> positive (seed 002), a "
+                   "multi-vector model to evaluate with pairmine eval --scoring xtr; revela: a causal LM "
+                   "(train.revela_lm) predicts each passage while attending to the batch's other passages weighted "
+                   "by the encoder's similarities, which learns through that loss alone (seed 001). Same as "
+                   "train.objective")
     t.add_argument("--model", metavar="MODEL", help="starting encoder (folder or hub id; default: all-MiniLM-L6-v2). "
                    "Same as train.model")
     t.add_argument("--config", metavar="FILE", help="TOML file with [section] tables, see the keys below")
@@ -157,6 +160,8 @@ def cmd_train(args) -> int:
     m = result.metrics or {}
     terms = (f"InfoNCE {m.get('l_nce')}, KL {m.get('l_kl')}" if args.negatives
              else f"XTR, query tokens retrieving their positive {m.get('z_positive')}" if cfg.train.objective == "xtr"
+             else f"Revela in-batch NTP, Sim on the own group {m.get('sim_same_group')}"
+             if cfg.train.objective == "revela"
              else f"L_xp {m.get('l_xp')}")
     print(f"output: {result.output}\nsteps: {result.steps}; last loss {m.get('loss')} ({terms}, "
           f"P(positive) {m.get('p_positive')})\nexported encoder: {result.export_dir}")

@@ -249,6 +249,30 @@ def _load_models(cfg: TrainConfig):
     return tokenizer, model, frozen, fresh_head
 
 
+def _load_revela_models(cfg: TrainConfig):
+    """Revela (``train.objective = revela``; seed 001): the retriever's tokenizer (``train.model``'s, also the
+    export's), the LM's tokenizer (``train.revela_lm``, right-padded, its eos as pad token when it has none) and
+    the :class:`pipeline.revela_model.RevelaModel` with LoRA on both models (the same LoRA start on every worker)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from pairmine.operators.embed import default_model_path
+    from pairmine.pipeline.revela_model import load_revela
+
+    t = cfg.train
+    path = t.model or default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=t.trust_remote_code)
+    lm_tokenizer = AutoTokenizer.from_pretrained(t.revela_lm, trust_remote_code=t.trust_remote_code)
+    lm_tokenizer.padding_side = "right"
+    if lm_tokenizer.pad_token is None:
+        lm_tokenizer.pad_token = lm_tokenizer.eos_token
+    torch.manual_seed(t.seed)
+    model = load_revela(t.revela_lm, path, cfg.loss.revela_tau, t.revela_lora_rank, t.revela_lora_alpha,
+                        t.trust_remote_code)
+    model.v_norm_eps = 1e-6 if cfg.loss.revela_v_norm else None  # seed 001 appendix B.5: eps 1e-6
+    return tokenizer, lm_tokenizer, model
+
+
 def _param_groups(model, cfg: TrainConfig, fresh_head: bool) -> list[dict]:
     new = {id(p) for p in model.new_parameters()}
     if fresh_head:
@@ -661,6 +685,52 @@ def xtr_step(model, tokenizer, batch: dict, cfg: TrainConfig, world: int, device
     return {"loss": loss.detach(), "p_positive": p_pos, "z_positive": z_pos, "grad_norm": grad_norm}
 
 
+def revela_step(model, tokenizer, lm_tokenizer, batch: dict, cfg: TrainConfig, world: int, device, amp, optimizer,
+                scheduler):
+    """One optimizer step of Revela's objective (``train.objective = revela``; seed 001 sections 3.1-3.4) on this
+    worker's part of the global batch. The batch's sequences are every passage of this worker's groups (anchor and
+    related passages, group after group: each group's passages come from one document, as the seed batches a
+    document's chunks together); the retriever (``train.model``, with the passage prefix) gives Sim over them, the
+    LM (``train.revela_lm``) predicts each passage with the in-batch stream, and the NTP loss of that stream is the
+    only loss (:class:`pipeline.revela_model.RevelaModel`). The in-batch attention spans this worker's sequences
+    (no cross-worker attention: DDP averages the gradients).
+
+    Returns:
+        dict of scalar tensors: loss (mean over workers), sim_top (mean largest Sim of a row), sim_same_group (mean
+        Sim mass a passage puts on the other passages of its own group), grad_norm, sequences (this worker's).
+    """
+    import torch
+    import torch.distributed as dist
+
+    g = len(batch["anchor_text"])
+    groups = [[a, *list(r)] for a, r in zip(batch["anchor_text"], batch["related_texts"])]
+    texts = [t for grp in groups for t in grp]
+    owner = torch.tensor([i for i, grp in enumerate(groups) for _ in grp], device=device)  # (B,) group of each
+    prefix = cfg.resolved_prefix()
+    ret = tokenizer([prefix + t for t in texts], padding=True, truncation=True, max_length=cfg.train.max_length,
+                    return_tensors="pt")
+    lm = lm_tokenizer(texts, padding=True, truncation=True, max_length=cfg.train.max_length, return_tensors="pt")
+    model.train()
+    with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+        out = model(lm["input_ids"].to(device), lm["attention_mask"].to(device), ret["input_ids"].to(device),
+                    ret["attention_mask"].to(device))
+    optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                               cfg.train.grad_clip or float("inf"))
+    optimizer.step()
+    scheduler.step()
+    with torch.no_grad():
+        sim = out.sim.float()
+        same = (owner[:, None] == owner[None, :]) & ~torch.eye(len(owner), dtype=torch.bool, device=device)
+        terms = torch.stack([out.loss.detach().float(), sim.max(1).values.mean(), (sim * same).sum(1).mean()])
+        if world > 1:
+            dist.all_reduce(terms)
+            terms /= world
+    return {"loss": terms[0], "sim_top": terms[1], "sim_same_group": terms[2], "grad_norm": grad_norm,
+            "sequences": torch.tensor(len(texts)), "groups": torch.tensor(g)}
+
+
 def negatives_step(model, tokenizer, batch: dict, cfg: TrainConfig, world: int, device, amp, optimizer, scheduler,
                    use_teacher: bool = False):
     """One optimizer step of the hard-negative objective (``pairmine train --negatives``; seed 004 chapter 3) on this
@@ -772,10 +842,17 @@ def train_loop(config: dict) -> None:
     per_worker = cfg.train.batch_size // world
     lo = cfg.loss
 
-    tokenizer, model, frozen, fresh_head = _load_models(cfg)
-    frozen.to(device)
-    optimizer = torch.optim.AdamW(_param_groups(model, cfg, fresh_head))
-    warmup = int(cfg.train.warmup_ratio * total)
+    on_revela = config.get("objective") == "revela"
+    if on_revela:  # LoRA adapters of the LM and the retriever only, seed 001's lr and warmup steps
+        tokenizer, lm_tokenizer, model = _load_revela_models(cfg)
+        optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad],
+                                        "lr": cfg.train.revela_lr, "weight_decay": cfg.train.weight_decay}])
+        warmup = min(cfg.train.revela_warmup_steps, total)
+    else:
+        tokenizer, model, frozen, fresh_head = _load_models(cfg)
+        frozen.to(device)
+        optimizer = torch.optim.AdamW(_param_groups(model, cfg, fresh_head))
+        warmup = int(cfg.train.warmup_ratio * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup))
     step = 0
     state, source = None, ""
@@ -810,7 +887,7 @@ def train_loop(config: dict) -> None:
     # The hard-negative and XTR objectives use the encoder only: DDP must not wait for the decoder's and head's
     # gradients.
     model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={
-        "find_unused_parameters": on_negatives or on_xtr})
+        "find_unused_parameters": on_negatives or on_xtr or on_revela})
     inner = model.module if hasattr(model, "module") else model
     start_step = step
     metrics_log = MetricsLog(output, step, config["storage"]) if rank == 0 else None
@@ -834,6 +911,28 @@ def train_loop(config: dict) -> None:
             if seen <= skip:
                 continue
             done += 1
+            if on_revela:
+                terms = revela_step(model, tokenizer, lm_tokenizer, batch, cfg, world, device, amp, optimizer,
+                                    scheduler)
+                step += 1
+                now = time.time()
+                g = len(batch["anchor_text"])
+                metrics = {k: round(float(v), 6) for k, v in terms.items() if k not in ("groups", "sequences")}
+                metrics.update({"step": step, "epoch": epoch, "start_step": start_step,
+                                "batch": batch_digest(batch["group_id"], world, device),
+                                "lr": scheduler.get_last_lr()[0], "groups": g * world,
+                                "sequences_per_worker": int(terms["sequences"]),
+                                "groups_per_s": round(g * world / max(now - t_last, 1e-9), 3), "time": round(now, 3)})
+                t_last = now
+                if rank == 0 and (step % 10 == 0 or step == 1 or step == total):
+                    log.info("step %d/%d loss %.4f (Revela in-batch NTP, %d sequences per worker) Sim top %.3f, "
+                             "own group %.3f, %.2f groups/s", step, total, metrics["loss"],
+                             metrics["sequences_per_worker"], metrics["sim_top"], metrics["sim_same_group"],
+                             metrics["groups_per_s"])
+                _report(metrics, step, total, every, rank, metrics_log, inner, optimizer, scheduler, epoch)
+                if done == todo:
+                    break
+                continue
             if on_xtr:
                 terms = xtr_step(model, tokenizer, batch, cfg, world, device, amp, optimizer, scheduler)
                 step += 1
@@ -914,7 +1013,13 @@ def train_loop(config: dict) -> None:
 
     if rank == 0:
         metrics_log.flush()
-        target = _export(inner, tokenizer, output, config["description"], cfg.train.max_length, config["storage"])
+        exported = inner
+        if on_revela:  # the retriever with its LoRA adapters merged: a plain encoder, as every objective exports
+            import types
+
+            exported = types.SimpleNamespace(encoder=inner.merged_retriever())
+        target = _export(exported, tokenizer, output, config["description"], cfg.train.max_length,
+                         config["storage"])
         log.info("exported the encoder and tokenizer to %s (step %d)", target, step)
     if world > 1:
         dist.barrier()
@@ -934,6 +1039,25 @@ def check_train_model(cfg: TrainConfig) -> None:
         AutoConfig.from_pretrained(cfg.train.model, trust_remote_code=cfg.train.trust_remote_code)
     except Exception as e:
         raise ConfigError(f"train.model = {cfg.train.model!r} cannot be loaded: {str(e).splitlines()[0]}") from None
+
+
+def check_revela_lm(cfg: TrainConfig) -> None:
+    """Fail before Ray starts when ``train.revela_lm`` cannot be found or is not a causal LM of the layout Revela's
+    in-batch attention is built on (reads only its config).
+
+    Raises:
+        ConfigError: naming ``train.revela_lm``.
+    """
+    from transformers import AutoConfig
+
+    try:
+        conf = AutoConfig.from_pretrained(cfg.train.revela_lm, trust_remote_code=cfg.train.trust_remote_code)
+    except Exception as e:
+        raise ConfigError(f"train.revela_lm = {cfg.train.revela_lm!r} cannot be loaded: "
+                          f"{str(e).splitlines()[0]}") from None
+    if getattr(conf, "is_encoder_decoder", False) or not hasattr(conf, "num_attention_heads"):
+        raise ConfigError(f"train.revela_lm = {cfg.train.revela_lm!r} ({conf.model_type}) is not a decoder-only "
+                          "causal LM")
 
 
 def storage_args(output: str, storage=None) -> dict:
@@ -1006,6 +1130,8 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
         if n_related < 1:
             raise InputError(f"groups {groups}: the groups have no related passages")
     check_train_model(cfg)
+    if cfg.train.objective == "revela":
+        check_revela_lm(cfg)
     description = export_description(cfg, storage, run_dir)
     per_epoch, trained_per_epoch, left_per_epoch = epoch_accounting(n_groups, cfg.train.batch_size)
     if per_epoch < 1:

@@ -15,7 +15,7 @@ from pairmine.pipeline.config import (
 )
 
 POSITIVES = ("xprt", "random")
-OBJECTIVES = ("xprt", "xtr")
+OBJECTIVES = ("xprt", "xtr", "revela")
 
 
 @dataclass
@@ -27,7 +27,8 @@ class TrainSection:
     trust_remote_code: bool = _f(False, "allow model code from the model folder/hub (off unless you trust it)")
     objective: str = _f("xprt", "xprt: the full xPRT objective (seed 000); xtr: XTR's in-batch token retrieval "
                         "loss, anchor -> its positive, token vectors (seed 002; evaluate with pairmine eval "
-                        "--scoring xtr)")
+                        "--scoring xtr); revela: Revela's in-batch attention LM trains the encoder as its "
+                        "retriever through next-token prediction (seed 001; needs train.revela_lm)")
     positives: str = _f("xprt", "xprt: the positive is s1, the top related passage (seed 000); random: a random other "
                         "passage of the same document, drawn from all its passages re-chunked from the run's input "
                         "(the paper's main ablation; SPEC 'Random positives')")
@@ -48,6 +49,16 @@ class TrainSection:
                              "next to each other: without shuffling most in-batch negatives would be masked as the "
                              "same document); 0: off")
     seed: int = _f(0, "seed of the new modules, the masks, the shuffle and the random positives")
+    revela_lm: str = _f("", "Revela (train.objective revela): the causal LM trained with the in-batch attention, a "
+                        "local folder or hub id of a LLaMA / Qwen2-layout decoder (seed 001 uses LLaMA-3.2-1B; "
+                        "Qwen2.5-0.5B fits one GPU); required with objective revela")
+    revela_lora_rank: int = _f(256, "Revela: LoRA rank on both the LM and the retriever (seed 001 section 4.1: 256)")
+    revela_lora_alpha: float = _f(256.0, "Revela: LoRA alpha, scale alpha / rank = 1 (not given by the seed: our "
+                                  "default)")
+    revela_lr: float = _f(1e-4, "Revela: peak learning rate of both models' LoRA adapters (seed 001 section 4.1: "
+                          "1e-4)")
+    revela_warmup_steps: int = _f(100, "Revela: linear warmup steps, then linear decay (seed 001 section 4.1: 100 "
+                                  "warmup steps, DeepSpeed's WarmupDecayLR)")
 
 
 @dataclass
@@ -65,6 +76,10 @@ class LossSection:
                           "retrieves in training (seed 002 sweeps 32-320 for batches of 128-320; ours for 64 groups)")
     xtr_tau: float = _f(0.05, "XTR: temperature of the cross-entropy over f_XTR scores (seed 002's eq. 3 has none; "
                         "token vectors are unit length, so scores lie in [-1, 1]: ours, as loss.tau)")
+    revela_tau: float = _f(1e-4, "Revela: temperature of Sim(D_i, D_j), the softmax over the other sequences of "
+                           "the retriever's cosines (seed 001 section 4.1: 1e-4)")
+    revela_v_norm: bool = _f(False, "Revela: V-normalise the cross-document outputs (seed 001 appendix B.5, eq. "
+                             "8-9, eps 1e-6; the seed uses it on Wikipedia and reports code better without it)")
     w_mlm: float = _f(0.1, "weight of L_MLM on the encoder's masked passes (not given by the seed: our default)")
     w_unif: float = _f(0.1, "weight of L_unif over the batch's anchors (not given by the seed: our default)")
     unif_t: float = _f(2.0, "t in L_unif = log mean exp(-t |x - y|^2) (Wang & Isola's t = 2)")
@@ -155,6 +170,13 @@ class TrainConfig(Sections):
             ("train.objective", t.objective in OBJECTIVES, "one of " + ", ".join(OBJECTIVES)),
             ("loss.xtr_k_train", lo.xtr_k_train >= 1, ">= 1"),
             ("loss.xtr_tau", lo.xtr_tau > 0, "> 0"),
+            ("train.revela_lm", t.objective != "revela" or t.revela_lm != "",
+             "a causal LM (local folder or hub id): required when train.objective is revela"),
+            ("train.revela_lora_rank", t.revela_lora_rank >= 1, ">= 1"),
+            ("train.revela_lora_alpha", t.revela_lora_alpha > 0, "> 0"),
+            ("train.revela_lr", t.revela_lr > 0, "> 0"),
+            ("train.revela_warmup_steps", t.revela_warmup_steps >= 0, ">= 0"),
+            ("loss.revela_tau", lo.revela_tau > 0, "> 0"),
             ("train.batch_size", t.batch_size >= 2, ">= 2 (in-batch negatives)"),
             ("train.max_length", t.max_length >= 8, ">= 8"),
             ("train.epochs", t.epochs >= 1, ">= 1"),
