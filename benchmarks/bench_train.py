@@ -1,10 +1,13 @@
-"""Training throughput of the xPRT objective (groups/s), and the model FLOPs per group for MFU.
+"""Training throughput of the training objectives (groups/s), and the model FLOPs per group for MFU.
 
 Two measurements, both running pipeline/train.py's own code:
 
-  step   one process, no Ray: ``xprt_step`` (5 encoder passes, 10 decoder passes, the frozen model's pass, every
-         loss term, backward, AdamW) on batches of groups; prints groups/s, FLOPs per group counted by
-         torch.utils.flop_counter on one step (matmuls and attention, forward + backward), achieved TFLOP/s and,
+  step   one process, no Ray: the objective's step of pipeline/train.py (``--objective``: ``xprt_step``, 5 encoder
+         passes, 10 decoder passes, the frozen model's pass, every loss term; ``xtr_step``, 2 encoder passes and
+         the token retrieval; ``revela_step``, the encoder on every passage and the causal LM ``--revela-lm``
+         with its in-batch stream; then backward, AdamW) on batches of groups; prints groups/s, FLOPs per group
+         counted by torch.utils.flop_counter on one step (matmuls and attention, forward + backward), achieved
+         TFLOP/s and,
          with a peak (``--peak-tflops``, default 989 on CUDA = H100/H200 dense bf16), model FLOPs utilisation
   job    the real ``pairmine train`` job (Ray Train, DDP workers, Ray Data streaming), groups/s = median of the
          per-step figures in metrics.jsonl after the first steps (start-up excluded)
@@ -15,6 +18,7 @@ how related passages were chosen, so this needs no embedding pass.
 
     python benchmarks/bench_train.py                            # default model, CPU, step + job
     python benchmarks/bench_train.py --mode step --batch 8 --steps 5
+    python benchmarks/bench_train.py --mode step --objective revela --revela-lm /models/Qwen2.5-0.5B
     python benchmarks/bench_train.py --device cuda --batch 64   # one GPU (see benchmarks/gpu_train.sh)
 """
 
@@ -71,23 +75,42 @@ def bench_step(args, run_dir: Path) -> dict:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from pairmine.pipeline.train import _autocast_dtype, _load_models, _param_groups, lr_factor, xprt_step
+    from pairmine.pipeline.train import (
+        _autocast_dtype, _load_models, _load_revela_models, _param_groups, lr_factor, revela_step, xprt_step, xtr_step,
+    )
     from pairmine.pipeline.train_config import load_train_config
 
-    overrides = [f"train.batch_size={args.batch}", f"train.max_length={args.max_length}", f"train.dtype={args.dtype}"]
+    objective = getattr(args, "objective", "xprt")
+    overrides = [f"train.batch_size={args.batch}", f"train.max_length={args.max_length}", f"train.dtype={args.dtype}",
+                 f"train.objective={objective}"]
     if args.model:
         overrides.append(f"train.model={args.model}")
+    if objective == "revela":
+        overrides.append(f"train.revela_lm={args.revela_lm}")
     cfg = load_train_config(overrides=overrides)
     device = torch.device(args.device)
     if device.type == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
     amp = _autocast_dtype(cfg, device.type)
-    tokenizer, model, frozen, fresh = _load_models(cfg)
-    model.to(device)
-    frozen.to(device)
-    opt = torch.optim.AdamW(_param_groups(model, cfg, fresh))
     total = args.steps + 2
+    if objective == "revela":
+        tokenizer, lm_tokenizer, model = _load_revela_models(cfg)
+        model.to(device)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.revela_lr)
+    else:
+        tokenizer, model, frozen, fresh = _load_models(cfg)
+        model.to(device)
+        frozen.to(device)
+        opt = torch.optim.AdamW(_param_groups(model, cfg, fresh))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, 0))
+
+    def step(i):  # one optimizer step of the objective, as train_loop runs it on one worker of one
+        if objective == "revela":
+            revela_step(model, tokenizer, lm_tokenizer, batch(i), cfg, 1, device, amp, opt, sched)
+        elif objective == "xtr":
+            xtr_step(model, tokenizer, batch(i), cfg, 1, device, amp, opt, sched)
+        else:
+            xprt_step(model, frozen, tokenizer, batch(i), cfg, i, total, 0, 1, device, amp, opt, sched)
     table = pq.read_table(run_dir / "groups", columns=["doc_id", "anchor_text", "related_texts"])
     rng = np.random.default_rng(0)
     order = rng.permutation(table.num_rows)
@@ -103,17 +126,18 @@ def bench_step(args, run_dir: Path) -> dict:
 
     counter = FlopCounterMode(display=False)
     with counter:  # one counted step (also the warm-up)
-        xprt_step(model, frozen, tokenizer, batch(0), cfg, 0, total, 0, 1, device, amp, opt, sched)
+        step(0)
     flops_per_group = counter.get_total_flops() / args.batch
-    xprt_step(model, frozen, tokenizer, batch(1), cfg, 1, total, 0, 1, device, amp, opt, sched)  # warm-up
+    step(1)  # warm-up
     sync()
     t0 = time.perf_counter()
     for i in range(args.steps):
-        xprt_step(model, frozen, tokenizer, batch(2 + i), cfg, 2 + i, total, 0, 1, device, amp, opt, sched)
+        step(2 + i)
     sync()
     elapsed = time.perf_counter() - t0
     gps = args.steps * args.batch / elapsed
-    out = {"mode": "step", "model": cfg.train.model or "all-MiniLM-L6-v2 (default)", "device": str(device),
+    out = {"mode": "step", "objective": objective, "model": cfg.train.model or "all-MiniLM-L6-v2 (default)",
+           "revela_lm": cfg.train.revela_lm or None, "device": str(device),
            "dtype": str(amp or "float32"), "threads": torch.get_num_threads() if device.type == "cpu" else None,
            "batch": args.batch, "max_length": args.max_length, "steps": args.steps,
            "s_per_step": round(elapsed / args.steps, 3), "groups_per_s": round(gps, 3),
@@ -153,6 +177,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("step", "job", "both"), default="both")
     p.add_argument("--model", default="", help="starting encoder (default: all-MiniLM-L6-v2)")
+    p.add_argument("--objective", default="xprt", choices=("xprt", "xtr", "revela"),
+                   help="step mode: the objective whose step is timed (default xprt)")
+    p.add_argument("--revela-lm", default="", help="--objective revela: the causal LM (folder)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="autocast dtype (auto: bf16 on GPU, fp32 on CPU)")

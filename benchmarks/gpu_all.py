@@ -1,9 +1,9 @@
 """All GPU figures in one run, written to one JSON file (driven by benchmarks/gpu_all.sh; not a test).
 
-    python benchmarks/gpu_all.py [--out gpu_all.json] [--parts embed,consistency,train]
+    python benchmarks/gpu_all.py [--out gpu_all.json] [--parts embed,consistency,train,train_xtr,train_revela]
     python benchmarks/gpu_all.py --cpu-smoke --out /tmp/smoke.json     # the same code on CPU with tiny sizes
 
-Three parts, each in its own process (a part that crashes, runs out of memory or passes its time limit is recorded
+Five parts, each in its own process (a part that crashes, runs out of memory or passes its time limit is recorded
 as failed with the tail of its output; the others still run) and each bounded in time:
 
   embed        passages/s of pairmine's own Embedder (operators/embed.py: tokenizer, one padded length per forward
@@ -24,14 +24,22 @@ as failed with the tail of its output; the others still run) and each bounded in
                                     decoder passes, the 30k-word MLM head, the frozen model's pass, backward)
                                     x groups/s / peak
                Peak dense bf16 TFLOP/s by GPU name: see PEAK_BF16_TFLOPS; another GPU gives "unknown" and no MFU.
+  train_xtr    the same for the XTR objective (``xtr_step``: anchor and positive through the encoder once, the
+               in-batch token retrieval over the batch), same encoder and batch; MFU by both definitions (6NT over
+               the 2 passages' tokens)
+  train_revela the same for Revela (``revela_step``): the encoder as retriever and a causal LM of Qwen2.5-0.5B's
+               shape (hidden 896, 24 layers, 14 heads, 2 key/value heads, intermediate 4864) built from a Qwen2Config
+               with random weights and the same tokenizer, LoRA rank 256 on both, 4 groups (20 passages) of <= 160
+               tokens per step (the seed's 16 passages of 160 tokens); MFU from torch's FLOP counter only
 
 Time on one H100/H200 (estimates, not yet measured on a GPU): driver and CUDA start ~10 s; embed ~1 min (building
 and saving the 110M-parameter model ~10 s; tokenising 16,384 passages of 300 words twice, as the Embedder does, ~15 s
 on 16 cores; the forward passes, ~46 GFLOP per passage, a few seconds); consistency ~40 s (drawing the 1M x 768 random
 pool on the CPU ~15 s, then twice 100,000 queries x 1M x 768 x 2 = 154 TFLOP in fp32 without TF32, ~4 s each at
 ~40 TFLOP/s); train ~1.5 min (groups from the sample ~4 s, model load, one FLOP-counted step, 21 more steps of 64
-groups at roughly 1 TFLOP per group, ~0.2-0.6 s each). Together ~4 minutes; the time limits per part (TIMEOUT_S,
-540 s in all) keep the whole run under 10. If batch 64 does not fit the GPU's memory (an 80 GB H100 may be short:
+groups at roughly 1 TFLOP per group, ~0.2-0.6 s each); train_xtr ~40 s; train_revela ~1.5 min (building and saving
+the 0.5B-parameter LM ~30 s). Together ~6 minutes; the time limits per part (TIMEOUT_S, 590 s in all) keep the whole
+run under 10. If batch 64 does not fit the GPU's memory (an 80 GB H100 may be short:
 320 passages of <= 256 tokens through BERT-base with backward, plus the MLM logits), the train part is run again once
 with batch 32 inside the same limit, and the JSON says so (retried_after_oom_with_batch).
 """
@@ -75,6 +83,10 @@ SIZES = {
         "consistency": {"pool": 1_000_000, "dim": 768, "queries": 100_000, "batch": 4096, "storage": "fp16",
                         "chunk_mb": 2048, "k": 2},
         "train": {"batch": 64, "steps": 20, "max_length": 256, "dtype": "bfloat16", "token_count_groups": 4000},
+        "train_xtr": {"batch": 64, "steps": 20, "max_length": 256, "dtype": "bfloat16", "token_count_groups": 4000},
+        "train_revela": {"batch": 4, "steps": 5, "max_length": 160, "dtype": "bfloat16", "token_count_groups": 400,
+                         "lm": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+                                "num_key_value_heads": 2, "intermediate_size": 4864}},
     },
     "cpu-smoke": {
         "model": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128},
@@ -83,11 +95,16 @@ SIZES = {
         "consistency": {"pool": 20_000, "dim": 64, "queries": 512, "batch": 256, "storage": "fp32",
                         "chunk_mb": 16, "k": 2},
         "train": {"batch": 2, "steps": 1, "max_length": 32, "dtype": "float32", "token_count_groups": 100},
+        "train_xtr": {"batch": 2, "steps": 1, "max_length": 32, "dtype": "float32", "token_count_groups": 100},
+        "train_revela": {"batch": 2, "steps": 1, "max_length": 32, "dtype": "float32", "token_count_groups": 100,
+                         "lm": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "intermediate_size": 64}},
     },
 }
-TIMEOUT_S = {"gpu": {"embed": 150, "consistency": 150, "train": 240},
-             "cpu-smoke": {"embed": 120, "consistency": 120, "train": 120}}
-PARTS = ("embed", "consistency", "train")
+TIMEOUT_S = {"gpu": {"embed": 120, "consistency": 120, "train": 180, "train_xtr": 60, "train_revela": 110},
+             "cpu-smoke": {"embed": 120, "consistency": 120, "train": 120, "train_xtr": 120, "train_revela": 120}}
+PARTS = ("embed", "consistency", "train", "train_xtr", "train_revela")
+OBJECTIVE = {"train": "xprt", "train_xtr": "xtr", "train_revela": "revela"}
 
 
 def sig(x: float, digits: int = 4) -> float:
@@ -207,17 +224,39 @@ def part_embed(sizes: dict, device: str, model_dir: Path) -> dict:
     }
 
 
-def part_train(sizes: dict, device: str, model_dir: Path, work: Path, batch: int) -> dict:
+def build_lm(folder: Path, lm_sizes: dict) -> None:
+    """A Qwen2 causal LM of ``lm_sizes`` built from a config with random weights and the default model's tokenizer,
+    saved to ``folder`` (Revela's LM; no hub)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from pairmine.operators.embed import default_model_path
+
+    if (folder / "config.json").exists():
+        return
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=512, **lm_sizes)
+                     ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def part_train(sizes: dict, device: str, model_dir: Path, work: Path, batch: int, part: str = "train") -> dict:
     import bench_train  # benchmarks/ is on sys.path (this script's folder)
     from transformers import AutoModel, AutoTokenizer
     import pyarrow.parquet as pq
 
-    s = sizes["train"]
+    s = sizes[part]
+    objective = OBJECTIVE[part]
     build_model(model_dir, sizes["model"])
+    lm_dir = work / "revela-lm-random"
+    if objective == "revela":
+        build_lm(lm_dir, s["lm"])
     run_dir = Path(tempfile.mkdtemp(prefix="groups-", dir=work))
     n_groups = bench_train.make_groups(run_dir)
     ns = argparse.Namespace(mode="step", model=str(model_dir), device=device, dtype=s["dtype"], batch=batch,
-                            max_length=s["max_length"], steps=s["steps"], threads=0, peak_tflops=0.0)
+                            max_length=s["max_length"], steps=s["steps"], threads=0, peak_tflops=0.0,
+                            objective=objective, revela_lm=str(lm_dir) if objective == "revela" else "")
     out = bench_train.bench_step(ns, run_dir)
     out.pop("mfu_pct", None)  # bench_train assumes 989 on any CUDA device; the MFU below uses the table
     out.pop("peak_tflops", None)
@@ -226,12 +265,18 @@ def part_train(sizes: dict, device: str, model_dir: Path, work: Path, batch: int
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     t = pq.read_table(run_dir / "groups", columns=["anchor_text", "related_texts"])
     t = t.take(list(range(0, t.num_rows, max(1, -(-t.num_rows // s["token_count_groups"])))))
-    texts = t.column("anchor_text").to_pylist() + [x for r in t.column("related_texts").to_pylist() for x in r]
+    texts = t.column("anchor_text").to_pylist() + [x for r in t.column("related_texts").to_pylist()
+                                                   for x in (r[:1] if objective == "xtr" else r)]
     lengths = [len(x) for x in tok(texts, truncation=True, max_length=s["max_length"])["input_ids"]]
     tokens_per_group = sum(lengths) / t.num_rows
     params = sum(p.numel() for p in AutoModel.from_pretrained(str(model_dir)).parameters())
-    return {**out, "units": "groups/s",
-            "model": f"BertModel {model_name(sizes['model'])} from a BertConfig, random weights (a fresh MLM head)",
+    extra = {}
+    if objective == "revela":
+        extra = {"lm": f"Qwen2ForCausalLM {s['lm']} from a Qwen2Config, random weights, LoRA rank 256",
+                 "lm_params": sum(p.numel() for p in AutoModel.from_pretrained(str(lm_dir)).parameters())}
+    return {**out, **extra, "units": "groups/s", "objective": objective,
+            "model": f"BertModel {model_name(sizes['model'])} from a BertConfig, random weights"
+                     + (" (a fresh MLM head)" if objective == "xprt" else ""),
             "encoder_params": params, "tokens_per_group": round(tokens_per_group, 1),
             "groups_available": n_groups, "tokens_per_group_from_groups": t.num_rows,
             "sizes": {**sizes["model"], "batch": batch, "steps": s["steps"], "max_length": s["max_length"]}}
@@ -301,7 +346,7 @@ def main() -> int:
     ap.add_argument("--out", default="", help="JSON file to write (default: $OUT/gpu_all.json if $OUT is set, "
                     "else ./gpu_all.json)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU (checks the script, not a GPU)")
-    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of embed,consistency,train")
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="peak dense bf16 TFLOP/s for MFU (default: by "
                     "GPU name from PEAK_BF16_TFLOPS; a GPU not in it gives 'unknown')")
     ap.add_argument("--part", default="", help=argparse.SUPPRESS)  # internal: run one part in this process
@@ -318,9 +363,9 @@ def main() -> int:
         sys.path.insert(0, str(HERE))
         if args.part == "embed":
             result = part_embed(sizes, device, Path(args.model_dir))
-        elif args.part == "train":
+        elif args.part in OBJECTIVE:
             result = part_train(sizes, device, Path(args.model_dir), Path(args.work),
-                                args.train_batch or sizes["train"]["batch"])
+                                args.train_batch or sizes[args.part]["batch"], args.part)
         else:
             raise SystemExit(f"unknown part {args.part}")
         Path(args.result).write_text(json.dumps(result))
@@ -370,27 +415,29 @@ def main() -> int:
                 result = work / f"{part}.json"
                 cmd = me + ["--part", part, "--result", str(result), "--model-dir", str(model_dir), "--work", str(work)]
                 rc, text, wall = run_part(cmd, limit)
-                if part == "train" and rc != 0 and "out of memory" in text.lower():
+                if part in OBJECTIVE and rc != 0 and "out of memory" in text.lower():
                     # a smaller batch if the default does not fit this GPU (within the same overall limit)
-                    half = sizes["train"]["batch"] // 2
+                    half = max(2, sizes[part]["batch"] // 2)
                     entry["retried_after_oom_with_batch"] = half
                     rc, text2, wall2 = run_part(cmd + ["--train-batch", str(half)], max(30.0, limit - wall))
                     text, wall = text + "\n[gpu_all] retry:\n" + text2, wall + wall2
                 if rc == 0:
                     entry.update(json.loads(result.read_text()))
-            if part == "train" and rc == 0:
+            if part in OBJECTIVE and rc == 0:
                 gps = entry["groups_per_s"]
                 tflops_6nt = 6.0 * entry["encoder_params"] * entry["tokens_per_group"] * gps / 1e12
                 tflops_counted = entry["model_gflops_per_group"] * gps / 1e3
-                entry["model_tflops_6nt"] = sig(tflops_6nt)
+                if OBJECTIVE[part] != "revela":  # Revela's FLOPs are mostly the LM's: the counted figure only
+                    entry["model_tflops_6nt"] = sig(tflops_6nt)
                 if peak is None:
                     entry["mfu_pct"] = entry["mfu_counted_pct"] = "unknown"
                 else:
-                    entry["mfu_pct"] = sig(100.0 * tflops_6nt / peak)
+                    if OBJECTIVE[part] != "revela":
+                        entry["mfu_pct"] = sig(100.0 * tflops_6nt / peak)
                     entry["mfu_counted_pct"] = sig(100.0 * tflops_counted / peak)
                 entry["mfu_definition"] = ("mfu_pct: 6 x encoder_params x tokens_per_group x groups/s / peak; "
                                            "mfu_counted_pct: model_gflops_per_group (torch's FLOP counter on a real "
-                                           "step: every pass of the xPRT step) x groups/s / peak")
+                                           f"step: every pass of the {OBJECTIVE[part]} step) x groups/s / peak")
             entry.update(ok=rc == 0, wall_s=round(wall, 1))
             if rc != 0:
                 entry.update(exit_code=rc, output_tail=text[-4000:])

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU figure in one run, written to one JSON file: embedder passages/s (BERT-base-sized encoder, 256 tokens,
 # bf16, through pairmine's Embedder), consistency-filter queries/s against a 1,000,000 x 768 fp16 pool, and training
-# groups/s and MFU (the xPRT step on the same encoder). The encoder is built from a BertConfig with random weights and
-# the shipped default model's tokenizer: nothing is downloaded. Each part runs in its own process under a time limit
-# (150 + 150 + 240 s); estimated ~4 minutes in all on one H100/H200 (see benchmarks/gpu_all.py's docstring).
+# groups/s and MFU of each training objective (the xPRT, XTR and Revela steps on the same encoder; Revela with a
+# causal LM of Qwen2.5-0.5B's shape). The models are built from configs with random weights and the shipped default
+# model's tokenizer: nothing is downloaded. Each part runs in its own process under a time limit
+# (120 + 120 + 180 + 60 + 110 s); estimated ~6 minutes in all on one H100/H200 (see benchmarks/gpu_all.py's docstring).
 # Not yet run on a GPU.
 #
 # Run from the repository root with pairmine and a CUDA build of torch installed:

@@ -15,7 +15,7 @@ def test_gpu_all_cpu_smoke_writes_one_json_with_every_figure(tmp_path):
     out = tmp_path / "smoke.json"
     env = {**os.environ, "PYTHON": sys.executable}
     p = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_all.sh"), "--cpu-smoke", str(out), "--peak-tflops", "1"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(out.read_text())
     assert r["mode"] == "cpu-smoke" and r["ok"] is True
@@ -35,6 +35,11 @@ def test_gpu_all_cpu_smoke_writes_one_json_with_every_figure(tmp_path):
     assert t["mfu_pct"] > 0 and t["mfu_counted_pct"] > 0
     assert abs(t["mfu_pct"] - 100 * 6 * t["encoder_params"] * t["tokens_per_group"] * t["groups_per_s"] / 1e12) \
         <= 1e-3 * t["mfu_pct"]
+    x, rv = r["train_xtr"], r["train_revela"]  # the other objectives' steps, same encoder
+    assert x["ok"] is True and x["objective"] == "xtr" and x["groups_per_s"] > 0 and x["mfu_pct"] > 0
+    assert x["tokens_per_group"] < t["tokens_per_group"]  # XTR encodes the anchor and the positive only
+    assert rv["ok"] is True and rv["objective"] == "revela" and rv["groups_per_s"] > 0
+    assert rv["mfu_counted_pct"] > 0 and "mfu_pct" not in rv and rv["lm_params"] > 0
 
 
 def test_gpu_peak_table_by_device_name():
