@@ -114,6 +114,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return weights @ v
 
 
+def pair_weights(q_h: torch.Tensor, k_e: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    """softmax(Q_i^h K_j^e^T / sqrt(d_H)) for every pair (i, j) over D_j's real tokens: the attention weights of
+    seed 001 eq. 5, shared by :func:`cross_document_outputs` and :func:`cross_document_attention`.
+
+    Args:
+        q_h: (B, H, L, d_H) in-batch queries; k_e: (B, H, L, d_H) plain-stream keys; key_mask: (B, L) real tokens.
+
+    Returns:
+        (B_i, B_j, H, L, L) weights, each row summing to 1 over D_j's real tokens.
+    """
+    logits = torch.einsum("ihqd,jhkd->ijhqk", q_h, k_e) / math.sqrt(q_h.shape[-1])
+    logits = logits.masked_fill(~key_mask.bool()[None, :, None, None, :], float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
 def cross_document_outputs(q_h: torch.Tensor, k_e: torch.Tensor, v_e: torch.Tensor, key_mask: torch.Tensor
                            ) -> torch.Tensor:
     """b_ij = softmax(Q_i^h K_j^e^T / sqrt(d_H)) V_j^e (seed 001 eq. 5) for every pair (i, j), with a full
@@ -127,10 +142,7 @@ def cross_document_outputs(q_h: torch.Tensor, k_e: torch.Tensor, v_e: torch.Tens
     Returns:
         (B_i, B_j, H, L, d_H) b_ij (the diagonal i = j included here; eq. 6 drops it).
     """
-    logits = torch.einsum("ihqd,jhkd->ijhqk", q_h, k_e) / math.sqrt(q_h.shape[-1])
-    logits = logits.masked_fill(~key_mask.bool()[None, :, None, None, :], float("-inf"))
-    weights = torch.softmax(logits, dim=-1)
-    return torch.einsum("ijhqk,jhkd->ijhqd", weights, v_e)
+    return torch.einsum("ijhqk,jhkd->ijhqd", pair_weights(q_h, k_e, key_mask), v_e)
 
 
 def cross_document_attention(q_h: torch.Tensor, k_e: torch.Tensor, v_e: torch.Tensor, key_mask: torch.Tensor,
@@ -153,9 +165,7 @@ def cross_document_attention(q_h: torch.Tensor, k_e: torch.Tensor, v_e: torch.Te
     Memory: the (B, B, H, L, L) attention weights of every pair are held for the backward pass (B = 16 passages of
     160 tokens and 14 heads: 0.37 GB per layer in fp32), as in the seed's duplicated-documents implementation.
     """
-    logits = torch.einsum("ihqd,jhkd->ijhqk", q_h, k_e) / math.sqrt(q_h.shape[-1])
-    logits = logits.masked_fill(~key_mask.bool()[None, :, None, None, :], float("-inf"))
-    weights = torch.softmax(logits, dim=-1)  # (B_i, B_j, H, L, L)
+    weights = pair_weights(q_h, k_e, key_mask)  # (B_i, B_j, H, L, L)
     off = ~torch.eye(len(sim), dtype=torch.bool, device=sim.device)
     w = sim.masked_fill(~off, 0.0).to(weights.dtype)  # (B_i, B_j): j != i only
     if v_norm_eps is not None:
