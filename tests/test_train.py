@@ -6,6 +6,7 @@ embeds. Plus the checkpoint rule and the epoch accounting by hand, the random po
 input."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -41,6 +42,24 @@ def _cli(*args) -> list[str]:
 def _metrics(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def train_objective_smoke(groups, model_dir: str, out: Path, objective: str, args: list[str], metrics: set[str]
+                          ) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """``pairmine train --objective OBJECTIVE`` on the tiny run's groups (2 CPU workers, batch 8, STEPS steps): the
+    run succeeds, logs every step once with ``metrics`` and 8 groups, with a finite loss that falls (the last 4
+    steps' mean below the first 4's). Returns the process and the metrics rows for the objective's own checks."""
+    proc = subprocess.run(_cli("train", "--groups", str(groups), "--output", str(out), "--model", model_dir,
+                               "--objective", objective, *args), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        assert {"loss", "grad_norm", "lr", "groups_per_s", *metrics} <= set(r) and r["groups"] == 8
+        assert math.isfinite(r["loss"])
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(rows[-4:], "loss") < mean(rows[:4], "loss")
+    return proc, rows
 
 
 @pytest.fixture(scope="module")
