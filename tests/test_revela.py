@@ -233,8 +233,9 @@ def tiny_lm_dir(tmp_path_factory) -> str:
 
 def test_train_with_the_revela_objective(tiny_groups, tiny_model_dir, tiny_lm_dir, tmp_path):
     """pairmine train --objective revela on the tiny run's groups (2 CPU workers, gloo, a tiny Qwen2 from a config):
-    every step logs the in-batch NTP loss and Sim's diagnostics; the loss falls; the export is a plain encoder (the
-    retriever, LoRA merged) that loads without adapters (issue 12 items 1, 2 and 5)."""
+    every step logs the in-batch NTP loss and Sim's diagnostics; the loss falls; killed once after step 6's
+    checkpoint, the run resumes there (LoRA adapters, optimizer and schedule from the checkpoint); the export is a
+    plain encoder (the retriever, LoRA merged) that loads without adapters (issue 12 items 1, 2 and 5)."""
     from transformers import AutoModel
 
     from tests.test_train import TRAIN_ARGS, train_objective_smoke

@@ -44,16 +44,51 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def kill_between_checkpoints(cmd: list[str], out: Path) -> list[dict]:
+    """Start ``cmd`` (a ``pairmine train`` of STEPS steps, a checkpoint every EVERY) in its own process group and
+    SIGKILL the group (the driver and the local Ray it started) once step 7 or 8 is logged: the checkpoints of
+    steps 3 and 6 written (rank 0 logs step 7 only after step 6's checkpoint is persisted). Returns the metrics
+    lines the killed run wrote."""
+    log_path = out.parent / f"{out.name}-killed.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + 400
+            while time.time() < deadline and proc.poll() is None:
+                n = len(_metrics(out))
+                if n > 2 * EVERY and n % EVERY:
+                    break
+                time.sleep(0.1)
+            assert proc.poll() is None, "the run ended before it could be killed: " + log_path.read_text()[-3000:]
+            assert len(_metrics(out)) > 2 * EVERY, "step 7 not reached in time: " + log_path.read_text()[-3000:]
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return _metrics(out)
+
+
 def train_objective_smoke(groups, model_dir: str, out: Path, objective: str, args: list[str], metrics: set[str]
                           ) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """``pairmine train --objective OBJECTIVE`` on the tiny run's groups (2 CPU workers, batch 8, STEPS steps): the
-    run succeeds, logs every step once with ``metrics`` and 8 groups, with a finite loss that falls (the last 4
-    steps' mean below the first 4's). Returns the process and the metrics rows for the objective's own checks."""
-    proc = subprocess.run(_cli("train", "--groups", str(groups), "--output", str(out), "--model", model_dir,
-                               "--objective", objective, *args), capture_output=True, text=True, timeout=900)
+    """``pairmine train --objective OBJECTIVE`` on the tiny run's groups (2 CPU workers, batch 8, STEPS steps),
+    killed once between the checkpoints of steps 6 and 9 (:func:`kill_between_checkpoints`) and run again: the
+    second run resumes at step 6 and succeeds; every step is logged once with ``metrics`` and 8 groups, with a
+    finite loss that falls (the last 4 steps' mean below the first 4's); the steps both attempts trained trained the
+    same groups, and no step repeats another's. Returns the second process and the metrics rows for the objective's
+    own checks."""
+    cmd = _cli("train", "--groups", str(groups), "--output", str(out), "--model", model_dir, "--objective", objective,
+               *args)
+    first = kill_between_checkpoints(cmd, out)
+    killed_at, start = len(first), 2 * EVERY
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"resumed from checkpoint at step {start} of {STEPS}" in proc.stdout + proc.stderr
     rows = _metrics(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["start_step"] for r in rows] == [0] * start + [start] * (STEPS - start)
+    assert rows[:start] == first[:start]
+    both = lambda k: ([r[k] for r in rows[start:killed_at]], [r[k] for r in first[start:killed_at]])  # noqa: E731
+    assert both("batch")[0] == both("batch")[1] and both("lr")[0] == both("lr")[1]  # data order and schedule
+    assert len({r["batch"] for r in rows}) == STEPS
     for r in rows:
         assert {"loss", "grad_norm", "lr", "groups_per_s", *metrics} <= set(r) and r["groups"] == 8
         assert math.isfinite(r["loss"])
