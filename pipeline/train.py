@@ -627,7 +627,8 @@ def xtr_step(model, tokenizer, batch: dict, cfg: TrainConfig, world: int, device
     of the global batch: anchors (queries) and their positives (s1, or random positives) through the encoder in one
     forward pass, token vectors L2-normalised (special tokens and padding left out), gathered over the workers;
     :func:`pipeline.xtr.f_xtr` of every anchor against every positive of the global batch with in-batch top-
-    ``loss.xtr_k_train`` retrieval; cross-entropy of each anchor's own positive (:func:`pipeline.xtr.xtr_loss`,
+    ``loss.xtr_k_train`` retrieval, a chunk of anchors at a time within ``loss.xtr_chunk_mb``
+    (:func:`pipeline.xtr.f_xtr_chunked`); cross-entropy of each anchor's own positive (:func:`pipeline.xtr.xtr_loss`,
     temperature ``loss.xtr_tau``), other groups of the same document masked out (``loss.mask_same_doc``).
 
     Returns:
@@ -640,7 +641,8 @@ def xtr_step(model, tokenizer, batch: dict, cfg: TrainConfig, world: int, device
 
     from pairmine.operators.consistency import doc_hash
     from pairmine.pipeline.xprt import gather_with_grad
-    from pairmine.pipeline.xtr import f_xtr, in_batch_alignment, token_similarities, xtr_loss
+    from pairmine.pipeline.xtr import (f_xtr_chunked, in_batch_alignment, query_chunk, token_similarities,
+                                      xtr_loss)
 
     lo = cfg.loss
     g = len(batch["anchor_text"])
@@ -665,8 +667,10 @@ def xtr_step(model, tokenizer, batch: dict, cfg: TrainConfig, world: int, device
     real = real.to(device)
     qm, dm = gather_with_grad(real[:g]), gather_with_grad(real[g:])  # (world * g, seq) each
     all_docs = gather_with_grad(docs)  # (world * g,)
-    sims = token_similarities(q, d)  # (world * g, seq, world * g, seq)
-    scores = f_xtr(sims, qm, dm, lo.xtr_k_train)  # (world * g, world * g)
+    # (world * g, world * g) scores from the (world * g, seq, world * g, seq) token similarities, a chunk of
+    # queries at a time when they exceed loss.xtr_chunk_mb
+    chunk = query_chunk(q.shape[1], d.shape[0], d.shape[1], lo.xtr_chunk_mb)
+    scores = f_xtr_chunked(q, d, qm, dm, lo.xtr_k_train, chunk)
     n = len(scores)
     if lo.mask_same_doc:  # another group's positive from the anchor's own document is not a negative
         same = (all_docs[:, None] == all_docs[None, :]) & ~torch.eye(n, dtype=torch.bool, device=device)
@@ -680,8 +684,10 @@ def xtr_step(model, tokenizer, batch: dict, cfg: TrainConfig, world: int, device
     scheduler.step()
     with torch.no_grad():
         p_pos = torch.softmax(scores / lo.xtr_tau, dim=1).diagonal().mean()
-        hit = in_batch_alignment(sims, qm, dm, lo.xtr_k_train).any(-1)  # (world * g, seq, world * g)
-        z_pos = (hit[target, :, target].sum(1).float() / qm.sum(1).clamp(min=1)).mean()
+        own = torch.cat([  # (world * g, seq): query tokens that retrieved a token of their own positive
+            in_batch_alignment(token_similarities(q[i:i + chunk], d), qm[i:i + chunk], dm, lo.xtr_k_train)
+            .any(-1)[torch.arange(len(q[i:i + chunk])), :, target[i:i + chunk]] for i in range(0, n, chunk)])
+        z_pos = (own.sum(1).float() / qm.sum(1).clamp(min=1)).mean()
     return {"loss": loss.detach(), "p_positive": p_pos, "z_positive": z_pos, "grad_norm": grad_norm}
 
 

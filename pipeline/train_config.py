@@ -76,6 +76,9 @@ class LossSection:
                           "retrieves in training (seed 002 sweeps 32-320 for batches of 128-320; ours for 64 groups)")
     xtr_tau: float = _f(0.05, "XTR: temperature of the cross-entropy over f_XTR scores (seed 002's eq. 3 has none; "
                         "token vectors are unit length, so scores lie in [-1, 1]: ours, as loss.tau)")
+    xtr_chunk_mb: float = _f(1024.0, "XTR: MiB of fp32 token similarities (queries x their tokens x the batch's "
+                             "document tokens) computed at once; larger batches are scored a chunk of queries at a "
+                             "time and recomputed in the backward pass (ours)")
     revela_tau: float = _f(1e-4, "Revela: temperature of Sim(D_i, D_j), the softmax over the other sequences of "
                            "the retriever's cosines (seed 001 section 4.1: 1e-4)")
     revela_v_norm: bool = _f(False, "Revela: V-normalise the cross-document outputs (seed 001 appendix B.5, eq. "
@@ -170,6 +173,7 @@ class TrainConfig(Sections):
             ("train.objective", t.objective in OBJECTIVES, "one of " + ", ".join(OBJECTIVES)),
             ("loss.xtr_k_train", lo.xtr_k_train >= 1, ">= 1"),
             ("loss.xtr_tau", lo.xtr_tau > 0, "> 0"),
+            ("loss.xtr_chunk_mb", lo.xtr_chunk_mb > 0, "> 0"),
             ("train.revela_lm", t.objective != "revela" or t.revela_lm != "",
              "a causal LM (local folder or hub id): required when train.objective is revela"),
             ("train.revela_lora_rank", t.revela_lora_rank >= 1, ">= 1"),
