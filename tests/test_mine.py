@@ -227,6 +227,8 @@ def test_bad_input_is_counted_and_never_crashes(bad_input, tiny_model_dir, out):
     assert out.names("bad", "groups") == ["part-00000.parquet", "part-00001.parquet"]
 
 
+# The local twin (~50 s) runs with -m slow, for the suite's time: batching does not depend on the storage.
+@pytest.mark.parametrize("out", [pytest.param("local", marks=pytest.mark.slow), "s3"], indirect=True)
 def test_same_input_gives_the_same_parts(tiny_model_dir, sample_dir, out):
     def run(run_id, batch):
         cfg = load_config(overrides=[f"input.path={sample_dir}/00[01]_*.parquet", *out.overrides,

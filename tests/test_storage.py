@@ -232,6 +232,9 @@ def test_ray_worker_killed_mid_run_then_rerun_gives_the_same_groups(reference, e
     assert_same_groups(groups_of(o, "worker-killed"), ref)
 
 
+# The S3 twin (~40 s) runs with -m slow, for the suite's time: the refusal reads the plan through the same storage
+# layer that the S3 kill and restart tests exercise.
+@pytest.mark.parametrize("reference", ["local", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)
 def test_rerun_with_other_inputs_or_config_is_refused(reference, eight_shards, tiny_model_dir, tmp_path):
     o, _, _ = reference
     cmd = mine_cmd(eight_shards, o, "changed", tiny_model_dir)
