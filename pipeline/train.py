@@ -324,16 +324,41 @@ class MetricsLog:
         self.storage.write_bytes(self.path, "".join(ln + "\n" for ln in self.lines).encode("utf-8"))
 
 
+def trainable_state(model) -> dict:
+    """``model.state_dict()`` without the frozen parameters (``requires_grad`` False), which every attempt loads
+    again from the base model: what a checkpoint must keep. For Revela, where the LM's and the retriever's base
+    weights are frozen and only LoRA adapters train, a Qwen2.5-0.5B run's checkpoint is then its adapters (MBs)
+    instead of ~2.5 GB of unchanged weights; buffers are kept."""
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
+def load_trainable_state(model, state: dict) -> None:
+    """Load a checkpoint's :func:`trainable_state` (or a whole ``state_dict``, as older checkpoints hold) into
+    ``model``, whose frozen parameters come from the base model.
+
+    Raises:
+        RuntimeError: the checkpoint lacks a trainable parameter of ``model`` or holds keys ``model`` does not
+            have (another model or objective than the run's).
+    """
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    lacking = [k for k in missing if k not in frozen]
+    if lacking or unexpected:
+        raise RuntimeError(f"the checkpoint does not fit the model: {len(lacking)} trainable tensor(s) missing "
+                           f"{lacking[:3]}, {len(unexpected)} unexpected {list(unexpected)[:3]}")
+
+
 def _save_state(model, optimizer, scheduler, step: int, epoch: int, folder: str) -> None:
-    """Write a checkpoint into ``folder``: ``state.pt`` (model, optimizer, schedule, step, epoch) and
-    ``pairmine_checkpoint.json`` (step, epoch and state.pt's size in bytes). Ray Train copies the folder file by
-    file; a copy cut short leaves a state.pt of another size than the marker records (or no marker), which
-    :func:`plan_resume` treats as incomplete."""
+    """Write a checkpoint into ``folder``: ``state.pt`` (the model's :func:`trainable_state`, optimizer, schedule,
+    step, epoch) and ``pairmine_checkpoint.json`` (step, epoch and state.pt's size in bytes). Ray Train copies the
+    folder file by file; a copy cut short leaves a state.pt of another size than the marker records (or no
+    marker), which :func:`plan_resume` treats as incomplete."""
     import torch
 
     state = os.path.join(folder, STATE_FILE)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "step": step, "epoch": epoch}, state)
+    torch.save({"model": trainable_state(model), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "step": step, "epoch": epoch}, state)
     with open(os.path.join(folder, CHECKPOINT_MARKER), "w") as f:
         json.dump({"step": step, "epoch": epoch, "state_bytes": os.path.getsize(state)}, f)
 
@@ -873,7 +898,7 @@ def train_loop(config: dict) -> None:
         state, source = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False), stray["path"]
         del blob
     if state is not None:
-        model.load_state_dict(state["model"])
+        load_trainable_state(model, state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = int(state["step"])

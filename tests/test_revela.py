@@ -249,6 +249,10 @@ def test_train_with_the_revela_objective(tiny_groups, tiny_model_dir, tiny_lm_di
     manifest = json.loads((out / "train_manifest.json").read_text())
     assert manifest["objective"] == "revela" and manifest["config"]["train"]["revela_lm"] == tiny_lm_dir
     assert "Revela in-batch NTP" in proc.stdout
+    # Checkpoints keep the trainable tensors only: the LoRA adapters, not the LM's or the retriever's base weights.
+    ckpt = sorted((out / "ray-train").glob("checkpoint_*"))[-1]
+    keys = list(torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)["model"])
+    assert keys and all("lora_" in k for k in keys if k.endswith("weight")), keys[:5]
     exported = AutoModel.from_pretrained(str(out / "export"))
     assert not any("lora" in n for n, _ in exported.named_parameters())
 

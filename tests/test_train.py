@@ -205,6 +205,33 @@ def test_killed_run_resumes_from_its_checkpoint(killed_and_resumed):
     assert marker == {"step": STEPS, "epoch": 0, "state_bytes": (run / ckpts[-1] / STATE_FILE).stat().st_size}
 
 
+def test_checkpoints_keep_the_trainable_tensors_only():
+    """A frozen layer's weights are left out of a checkpoint's model state (the base model gives them again on
+    resume) and the trainable ones come back; a state missing a trainable tensor or holding another model's keys
+    is refused. Whole state_dicts (older checkpoints) still load."""
+    from pairmine.pipeline.train import load_trainable_state, trainable_state
+
+    def model(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+        m[0].requires_grad_(False)  # the frozen base
+        return m
+
+    a = model(0)
+    state = trainable_state(a)
+    assert sorted(state) == ["1.bias", "1.num_batches_tracked", "1.running_mean", "1.running_var", "1.weight",
+                             "2.bias", "2.weight"]
+    b = model(1)
+    b[0].load_state_dict(a[0].state_dict())  # the same base, as every attempt loads it
+    load_trainable_state(b, state)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    load_trainable_state(model(2), a.state_dict())
+    with pytest.raises(RuntimeError, match=r"1 trainable tensor\(s\) missing \['2.weight'\]"):
+        load_trainable_state(b, {k: v for k, v in state.items() if k != "2.weight"})
+    with pytest.raises(RuntimeError, match=r"1 unexpected \['3.weight'\]"):
+        load_trainable_state(b, {**state, "3.weight": torch.zeros(1)})
+
+
 def _checkpoint(folder: Path, step: int) -> None:
     """A real checkpoint of a one-layer model at ``step`` in ``folder`` (as the workers write it)."""
     folder.mkdir(parents=True)
