@@ -643,6 +643,13 @@ def user_error(e: BaseException) -> str | None:
     return found.group(1) if found else None
 
 
+# What Ctrl-C leaves, per command (printed after "pairmine: interrupted"; exit code 130).
+_RESUME = ("; what was committed stays: run the same command with the run's --run-id (logged at its start) to resume "
+           "(committed shards and work units are kept)")
+INTERRUPTED = {"mine": _RESUME, "filter-pairs": _RESUME, "negatives": _RESUME,
+               "train": "; run the same command (same --output) to resume from its newest checkpoint"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -666,6 +673,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command in EVAL_COMMANDS:
             return EVAL_COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print(f"pairmine: interrupted{INTERRUPTED.get(args.command, '')}", file=sys.stderr)
+        return 130
     except Exception as e:
         message = user_error(e)
         if message is None:

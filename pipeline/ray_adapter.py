@@ -301,8 +301,8 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
     """Yield from ``items`` (a Ray Data iterator), watching for a pipeline that stops making progress.
 
     While nothing arrives for ``warn_s`` seconds, a warning (:func:`stall_report`) is logged every ``warn_s``
-    seconds; after ``limit_s`` seconds without progress (0: never) :class:`StallError` ends the wait. The iterator
-    is drained in a daemon thread, so the wait can end even while Ray blocks. Before the error is raised, the
+    seconds; after ``limit_s`` seconds without progress (0: never) :class:`StallError` ends the wait, and Ctrl-C
+    (KeyboardInterrupt) ends it the same way before it propagates. The iterator is drained in a daemon thread, so the wait can end even while Ray blocks. Before the error is raised, the
     driver's running Ray Data executions are shut down and the draining thread is given up to 30 s to end, so
     nothing of the abandoned run still talks to Ray when the caller shuts Ray down.
 
@@ -330,6 +330,9 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
     while True:
         try:
             kind, value = q.get(timeout=min(5.0, max(warn_s, 0.5)))
+        except KeyboardInterrupt:  # Ctrl-C: end the execution before the caller shuts Ray down (no tracebacks)
+            _stop_execution(thread, q, RuntimeError("interrupted"))
+            raise
         except queue.Empty:
             now = time.time()
             idle = now - last

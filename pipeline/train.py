@@ -328,7 +328,7 @@ def trainable_state(model) -> dict:
     """``model.state_dict()`` without the frozen parameters (``requires_grad`` False), which every attempt loads
     again from the base model: what a checkpoint must keep. For Revela, where the LM's and the retriever's base
     weights are frozen and only LoRA adapters train, a Qwen2.5-0.5B run's checkpoint is then its adapters (MBs)
-    instead of ~2.5 GB of unchanged weights; buffers are kept."""
+    instead of ~2 GB of unchanged weights; buffers are kept."""
     frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {k: v for k, v in model.state_dict().items() if k not in frozen}
 

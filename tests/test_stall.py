@@ -115,3 +115,33 @@ def test_frozen_embedder_ends_the_run_and_the_run_id_resumes(tiny_model_dir, sam
     assert done.returncode == 0, done.stderr[-3000:]
     stats = json.loads((tmp_path / "runs" / "frozen" / "stats.json").read_text())
     assert stats["docs_in"] == 60 and stats["reconciled"]
+
+
+def test_ctrl_c_while_embedding_is_one_line_and_exit_130(tiny_model_dir, sample_dir, tmp_path):
+    """Ctrl-C (SIGINT to the run's process group, as a terminal sends it) while the embed stage runs: the run's Ray
+    Data execution is ended before Ray is shut down, so stderr holds one "pairmine: interrupted" line telling how
+    to resume, no traceback, and the exit code is 130 (a shell's code for SIGINT)."""
+    pq.write_table(pq.read_table(sample_dir / "000_00000.parquet").slice(0, 60), tmp_path / "docs.parquet")
+    cmd = [sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--input", str(tmp_path / "docs.parquet"), "--output",
+           str(tmp_path / "runs"), "--run-id", "interrupted", "--set", f"embed.model={tiny_model_dir}",
+           "--set", "ray.num_cpus=2"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while proc.poll() is None and time.time() < deadline and not _embed_actors(proc.pid):
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before an embed actor was seen"
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "Ray is not initialized" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("pairmine: interrupted; what was committed stays: run the same command with the run's "
+                           "--run-id"), err[-3000:]
