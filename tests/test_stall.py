@@ -122,9 +122,12 @@ def test_ctrl_c_while_embedding_is_one_line_and_exit_130(tiny_model_dir, sample_
     Data execution is ended before Ray is shut down, so stderr holds one "pairmine: interrupted" line telling how
     to resume, no traceback, and the exit code is 130 (a shell's code for SIGINT)."""
     pq.write_table(pq.read_table(sample_dir / "000_00000.parquet").slice(0, 60), tmp_path / "docs.parquet")
-    cmd = [sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--input", str(tmp_path / "docs.parquet"), "--output",
-           str(tmp_path / "runs"), "--run-id", "interrupted", "--set", f"embed.model={tiny_model_dir}",
-           "--set", "ray.num_cpus=2"]
+    # A shell's background job (as CI may start the suite) ignores SIGINT, and a child inherits that: the CLI is run
+    # with Python's own SIGINT handler put back, as in a terminal.
+    cmd = [sys.executable, "-c", "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "runpy.run_module('pairmine.pipeline.cli', run_name='__main__')", "mine",
+           "--input", str(tmp_path / "docs.parquet"), "--output", str(tmp_path / "runs"), "--run-id", "interrupted",
+           "--set", f"embed.model={tiny_model_dir}", "--set", "ray.num_cpus=2"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
