@@ -324,12 +324,17 @@ class MetricsLog:
         self.storage.write_bytes(self.path, "".join(ln + "\n" for ln in self.lines).encode("utf-8"))
 
 
+def _frozen_names(model) -> set[str]:
+    """State-dict names of ``model``'s frozen parameters (``requires_grad`` False), tied aliases included."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
 def trainable_state(model) -> dict:
     """``model.state_dict()`` without the frozen parameters (``requires_grad`` False), which every attempt loads
     again from the base model: what a checkpoint must keep. For Revela, where the LM's and the retriever's base
     weights are frozen and only LoRA adapters train, a Qwen2.5-0.5B run's checkpoint is then its adapters (MBs)
     instead of ~2 GB of unchanged weights; buffers are kept."""
-    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    frozen = _frozen_names(model)
     return {k: v for k, v in model.state_dict().items() if k not in frozen}
 
 
@@ -342,7 +347,7 @@ def load_trainable_state(model, state: dict) -> None:
             have (another model or objective than the run's).
     """
     missing, unexpected = model.load_state_dict(state, strict=False)
-    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    frozen = _frozen_names(model)
     lacking = [k for k in missing if k not in frozen]
     if lacking or unexpected:
         raise RuntimeError(f"the checkpoint does not fit the model: {len(lacking)} trainable tensor(s) missing "
