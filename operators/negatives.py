@@ -1,8 +1,9 @@
 """Stages of ``pairmine negatives``: hard negatives for (query, positive) pairs from a corpus (seed 004, chapter 3;
 SPEC "Hard negatives and distillation").
 
-read pairs -> embed (query prefix / passage prefix) -> search the corpus index (faiss) and select the negatives from
-a rank window -> optional cross-encoder teacher scores -> write.
+read pairs -> embed (query prefix / passage prefix) -> search the corpus index (faiss; one stage per index shard,
+their candidate lists merged exactly) -> select the negatives from a rank window -> optional cross-encoder teacher
+scores -> write.
 
 Why a rank window: retrieval sets are sparsely labelled, and a good retriever puts the unlabelled relevant passages
 at the top of its list, so the top ranks are mostly false negatives (seed 004: of ~6 unlabelled relevant passages
@@ -186,39 +187,111 @@ def load_index(blob: np.ndarray):
     return faiss.deserialize_index(blob)
 
 
-class SearchNegatives:
-    """Search operator: the corpus index's top ``depth`` for every usable pair's query, then
-    :func:`select_negatives`. Adds ``positive_score``, ``negatives``, ``negative_ranks``, ``negative_scores`` and a
-    JSON ``drops`` column (the batch's Counter of drop reasons, on its first row).
+# The running candidate list of each pair, carried between the search stages (one per index shard): global corpus
+# rows, scores, and what the selection needs of each candidate (its text, the hashes of its text and document).
+CANDIDATE_COLUMNS = {"cand_ids": pa.list_(pa.int64()), "cand_scores": pa.list_(pa.float32()),
+                     "cand_text_hashes": pa.list_(pa.int64()), "cand_doc_hashes": pa.list_(pa.int64()),
+                     "cand_texts": pa.list_(pa.string())}
+
+
+def merge_candidates(ids_a: np.ndarray, scores_a: np.ndarray, ids_b: np.ndarray, scores_b: np.ndarray,
+                     depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top ``depth`` of two candidate lists of one query, as positions into their concatenation.
+
+    Exact: each index shard returns its own top ``depth``, so the corpus's top ``depth`` is among the shards' lists
+    together, and merging them shard by shard gives the same list as one search of the whole corpus. Order: score
+    descending, then global corpus row ascending (one order whatever the sharding; a tie at equal scores is the only
+    place where an exact faiss search over the whole corpus may order two candidates otherwise).
 
     Args:
-        load_corpus: callable -> (index bytes (uint8 array), text hashes (N,) int64, doc hashes (N,) int64,
-            corpus texts (pa.StringArray, N)), called once per actor (Ray's object store shares it).
-        depth: candidates retrieved per query.
-        rank_start, rank_end, count, margin, relative_margin: as :func:`select_negatives`.
+        ids_a, scores_a: (a,) global corpus rows and cosines of the list so far (a may be 0).
+        ids_b, scores_b: (b,) the same from the next shard (rows < 0, faiss's padding, are dropped).
+        depth: most candidates kept.
+
+    Returns:
+        (positions (<= depth,) int64 into ``concat(a, b)``, best first; their scores float32).
+    """
+    ids = np.concatenate([ids_a, ids_b]).astype(np.int64)
+    scores = np.concatenate([scores_a, scores_b]).astype(np.float32)
+    valid = np.flatnonzero(ids >= 0)
+    order = valid[np.lexsort((ids[valid], -scores[valid]))][:depth]
+    return order, scores[order]
+
+
+class SearchShard:
+    """Search operator for one shard of the corpus index: its top ``depth`` for every usable pair's query, merged
+    (:func:`merge_candidates`) into the pair's running candidate list (:data:`CANDIDATE_COLUMNS`; the first shard's
+    stage starts the list). A chain of these, one per shard, each actor holding only its shard, is an exact search
+    of the whole corpus; with one shard it is one faiss search.
+
+    Args:
+        load_shard: callable -> (index bytes (uint8 array), text hashes (n,) int64, doc hashes (n,) int64, texts
+            (pa.StringArray, n)) of this shard, called once per actor (from Ray's object store).
+        offset: the global corpus row of the shard's first passage.
+        depth: candidates kept per query.
         threads: faiss OpenMP threads (0: faiss's default).
     """
 
-    def __init__(self, load_corpus, depth: int = 200, rank_start: int = 31, rank_end: int = 200, count: int = 7,
-                 margin: float | None = None, relative_margin: float | None = None, threads: int = 0):
-        self.load_corpus, self.depth = load_corpus, depth
-        self.window = dict(rank_start=rank_start, rank_end=rank_end, count=count, margin=margin,
-                           relative_margin=relative_margin)
-        self.threads = threads
-        self._corpus = None
+    def __init__(self, load_shard, offset: int = 0, depth: int = 200, threads: int = 0):
+        self.load_shard, self.offset, self.depth, self.threads = load_shard, offset, depth, threads
+        self._shard = None
 
-    def corpus(self):
-        if self._corpus is None:
+    def shard(self):
+        if self._shard is None:
             import faiss
 
             if self.threads:
                 faiss.omp_set_num_threads(self.threads)
-            blob, text_hashes, doc_hashes, texts = self.load_corpus()
-            self._corpus = (load_index(blob), text_hashes, doc_hashes, texts)
-        return self._corpus
+            blob, text_hashes, doc_hashes, texts = self.load_shard()
+            self._shard = (load_index(blob), text_hashes, doc_hashes, texts)
+        return self._shard
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        index, text_hashes, doc_hashes, texts = self.corpus()
+        index, text_hashes, doc_hashes, texts = self.shard()
+        n = batch.num_rows
+        ok = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
+        rows = np.flatnonzero(ok)
+        first = "cand_ids" not in batch.column_names
+        before = {c: [None] * n if first else batch.column(c).to_pylist() for c in CANDIDATE_COLUMNS}
+        after = {c: [None] * n for c in CANDIDATE_COLUMNS}
+        if len(rows):
+            q = np.ascontiguousarray(_matrix(batch.column("query_vector"))[rows], np.float32)  # (usable, dim)
+            found_scores, found = index.search(q, min(self.depth, index.ntotal))
+            for k, r in enumerate(rows.tolist()):
+                local = found[k][found[k] >= 0]
+                new_ids, new_scores = local + self.offset, found_scores[k][: len(local)]
+                old_ids = np.asarray(before["cand_ids"][r] or [], np.int64)
+                old_scores = np.asarray(before["cand_scores"][r] or [], np.float32)
+                order, merged_scores = merge_candidates(old_ids, old_scores, new_ids, new_scores, self.depth)
+                old_n = len(old_ids)
+                pick = lambda old, new: [old[i] if i < old_n else new[i - old_n] for i in order.tolist()]  # noqa: E731
+                after["cand_ids"][r] = np.concatenate([old_ids, new_ids])[order].tolist()
+                after["cand_scores"][r] = merged_scores.tolist()
+                after["cand_text_hashes"][r] = pick(before["cand_text_hashes"][r] or [], text_hashes[local].tolist())
+                after["cand_doc_hashes"][r] = pick(before["cand_doc_hashes"][r] or [], doc_hashes[local].tolist())
+                after["cand_texts"][r] = pick(before["cand_texts"][r] or [],
+                                              texts.take(pa.array(local, pa.int64())).to_pylist())
+        out = batch if first else batch.drop_columns(list(CANDIDATE_COLUMNS))
+        for c, t in CANDIDATE_COLUMNS.items():
+            out = out.append_column(c, pa.array(after[c], t))
+        return out
+
+
+class SelectNegatives:
+    """Select operator, after the search stages: each usable pair's negatives from its merged candidate list
+    (:func:`select_negatives`). Replaces the vectors and candidate columns with ``positive_score`` (cos(query,
+    positive)), ``negatives``, ``negative_ranks`` (1-based, in the merged list), ``negative_scores`` and a JSON
+    ``drops`` column (the batch's Counter of drop reasons, on its first row).
+
+    Args: as :func:`select_negatives` (rank_start, rank_end, count, margin, relative_margin).
+    """
+
+    def __init__(self, rank_start: int = 31, rank_end: int = 200, count: int = 7, margin: float | None = None,
+                 relative_margin: float | None = None):
+        self.window = dict(rank_start=rank_start, rank_end=rank_end, count=count, margin=margin,
+                           relative_margin=relative_margin)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
         ok = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
         rows = np.flatnonzero(ok)
         n = batch.num_rows
@@ -227,26 +300,26 @@ class SearchNegatives:
         ranks: list = [None] * n
         scores: list = [None] * n
         drops = Counter()
-        if len(rows):  # the driver refuses an empty corpus, so the index is never empty
+        if len(rows):
             q = _matrix(batch.column("query_vector"))[rows]  # (usable, dim)
             p = _matrix(batch.column("passage_vector"))[rows]  # (usable, dim)
-            found_scores, found_ids = index.search(np.ascontiguousarray(q, np.float32), min(self.depth, index.ntotal))
-            positives = batch.column("passage").to_pylist()
-            queries = batch.column("query").to_pylist()
+            positives, queries = batch.column("passage").to_pylist(), batch.column("query").to_pylist()
             doc_ids = batch.column("doc_id").to_pylist() if "doc_id" in batch.column_names else [None] * n
+            cand = {c: batch.column(c).to_pylist() for c in CANDIDATE_COLUMNS}
             for k, r in enumerate(rows.tolist()):
                 s = float(np.dot(q[k], p[k]))
                 pos_score[r] = s
-                kept, d = select_negatives(found_ids[k], found_scores[k], text_hashes, doc_hashes,
-                                           text_hash(positives[r]),
+                found_scores = np.asarray(cand["cand_scores"][r], np.float32)
+                kept, d = select_negatives(np.arange(len(found_scores)), found_scores,
+                                           np.asarray(cand["cand_text_hashes"][r], np.int64),
+                                           np.asarray(cand["cand_doc_hashes"][r], np.int64), text_hash(positives[r]),
                                            None if doc_ids[r] is None else doc_hash(doc_ids[r]), s, **self.window,
                                            query_text_hash=text_hash(queries[r]))
                 drops.update(d)
-                ids = found_ids[k][kept]
-                negs[r] = texts.take(pa.array(ids, pa.int64())).to_pylist()
-                ranks[r] = [int(x) + 1 for x in kept]
-                scores[r] = found_scores[k][kept].astype(np.float32).tolist()
-        out = batch.drop_columns(["query_vector", "passage_vector"])
+                negs[r] = [cand["cand_texts"][r][i] for i in kept]
+                ranks[r] = [i + 1 for i in kept]
+                scores[r] = found_scores[kept].tolist()
+        out = batch.drop_columns(["query_vector", "passage_vector", *CANDIDATE_COLUMNS])
         out = out.append_column("positive_score", pa.array(pos_score, mask=~ok))
         out = out.append_column("negatives", pa.array(negs, pa.list_(pa.string())))
         out = out.append_column("negative_ranks", pa.array(ranks, pa.list_(pa.int32())))

@@ -169,6 +169,10 @@ class NegativesSection:
                     "hnsw: HNSW (M 32). Approximate indexes have their recall against exact search measured and logged")
     nprobe: int = _f(32, "ivf: lists searched per query")
     ef_search: int = _f(256, "hnsw: candidate list size at search time (>= depth)")
+    index_shards: int = _f(0, "shards of the corpus index, each built by a Ray task and held by its own search actor "
+                           "(placed where its memory fits; the shards' top-depth lists are merged exactly); 0: as many "
+                           "as index_shard_mb asks")
+    index_shard_mb: float = _f(8192, "index_shards = 0: MiB of embedded corpus (vectors and texts) per index shard")
     recall_probes: int = _f(256, "approximate indexes: corpus passages used as probe queries to measure recall@depth "
                             "against exact search")
     teacher: str = _f("", "cross-encoder teacher (--teacher; folder or hub id, one output logit) scoring (query, "
@@ -347,6 +351,8 @@ class NegativesConfig(MineConfig):
             ("negatives.index", n.index in ("flat", "ivf", "hnsw"), "one of flat, ivf, hnsw"),
             ("negatives.nprobe", n.nprobe >= 1, ">= 1"),
             ("negatives.ef_search", n.index != "hnsw" or n.ef_search >= n.depth, ">= negatives.depth with index hnsw"),
+            ("negatives.index_shards", n.index_shards >= 0, ">= 0 (0: sized by negatives.index_shard_mb)"),
+            ("negatives.index_shard_mb", n.index_shard_mb > 0, "> 0"),
             ("negatives.recall_probes", n.recall_probes >= 1, ">= 1"),
             ("negatives.teacher_max_length", n.teacher_max_length >= 8, ">= 8"),
             ("negatives.teacher_batch_size", n.teacher_batch_size >= 1, ">= 1"),

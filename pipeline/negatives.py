@@ -4,19 +4,19 @@ by a cross-encoder teacher (seed 004, chapter 3: E5's second stage; SPEC "Hard n
     plan     the pairs: a ``pairmine mine`` run (anchor -> s1, with its document id), a ``filter-pairs`` run, or any
              parquet/JSONL of (query, passage); the corpus: documents chunked like mine's input, or a mine run's
              input chunked with that run's settings
-    corpus   every corpus passage is chunked (Ray tasks, one per file) and embedded with the pairs' embedder (same
-             model, passage prefix, dtype; a mine run's own embed settings unless embed.model is set), and indexed
-             with faiss once: exact IndexFlatIP by default, IVF or HNSW as options (their recall@depth against exact
-             search measured on probe passages and logged); the index goes to Ray's object store, shared by the
-             search actors
-    read -> embed (query prefix / passage prefix) -> search + rank window -> [teacher] -> write (staging)
+    corpus   every corpus passage is chunked and embedded with the pairs' embedder (same model, passage prefix,
+             dtype; a mine run's own embed settings unless embed.model is set) in a Ray Data pass whose blocks stay
+             in Ray's object store, and indexed with faiss by Ray tasks in ``negatives.index_shards`` shards (equal
+             passage ranges; exact IndexFlatIP by default, IVF or HNSW as options with their recall@depth against
+             exact search measured on probe passages and logged); the driver holds object refs and counts only
+    read -> embed (query prefix / passage prefix) -> search (one actor per index shard, each holding its shard; the
+             candidate lists merged exactly) -> select (rank window) -> [teacher] -> write (staging)
     commit   one part per input shard as soon as its pairs are written (pipeline.run_folder: a killed run re-run
              with its --run-id keeps committed shards and completed row groups, and searches only the rest; the
              corpus is embedded and indexed again), then stats.json (drop reasons counted), manifest.json, _SUCCESS
 
 Run folder layout: ``negatives/part-NNNNN.parquet`` (``operators.negatives.NEGATIVES_SCHEMA``), ``stats.json``,
-``manifest.json``, ``_SUCCESS``. The corpus vectors and texts live in the driver while the run lasts (N x dim x 4
-bytes plus the texts): a corpus too large for one machine's memory is not supported yet.
+``manifest.json``, ``_SUCCESS``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pairmine.operators.read import InputError
 from pairmine.pipeline.config import ConfigError, NegativesConfig, run_token_limit
 from pairmine.pipeline.inputs import PoolSpec, Shard, check_parquet_shards, discover_shards, shard_pool
 from pairmine.pipeline.mine import (
-    MineResult, Progress, _load_pool, _shard_dict, check_model, embed_pool, model_id, new_run_id, result_config,
+    MineResult, Progress, _load_pool, _shard_dict, check_model, model_id, new_run_id, result_config,
 )
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
 from pairmine.pipeline.ray_adapter import Stage, configure_data, init_ray, plan_for, run_remote
@@ -208,22 +208,21 @@ def _make_read(cfg: NegativesConfig, kind: str):
     return ReadPairs(cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column, cfg.storage_layer())
 
 
-def _make_embed(cfg: NegativesConfig, threads: int, device: str, known_refs=None):
+def _make_embed(cfg: NegativesConfig, threads: int, device: str, known_ref=None):
     from pairmine.operators.negatives import EmbedPairVectors
 
     e = cfg.embed
-    known = partial(_load_known, *known_refs) if known_refs is not None else None
+    known = partial(_load_known, known_ref) if known_ref is not None else None
     return EmbedPairVectors(cfg.resolved_query_prefix(), known, model=e.model, passage_prefix=cfg.resolved_prefix(),
                             max_length=e.max_length, batch_size=e.batch_size, dtype=e.dtype, device=device,
                             threads=threads, trust_remote_code=e.trust_remote_code)
 
 
-def _load_known(keys_ref, vectors_ref):
+def _load_known(known_ref):
     """The corpus vectors as an Embedder's ``known`` lookup: (keys sorted, rows, corpus vectors)."""
     import ray
 
-    keys, rows = ray.get(keys_ref)
-    return keys, rows, ray.get(vectors_ref)  # zero-copy from the node's object store
+    return ray.get(known_ref)  # the vectors zero-copy from the node's object store
 
 
 def _make_corpus_embed(cfg: NegativesConfig, threads: int, device: str):
@@ -234,12 +233,102 @@ def _make_corpus_embed(cfg: NegativesConfig, threads: int, device: str):
                     e.trust_remote_code)
 
 
-def _make_search(corpus_ref, cfg: NegativesConfig, threads: int):
-    from pairmine.operators.negatives import SearchNegatives
+def _make_search(shard_ref, offset: int, cfg: NegativesConfig, threads: int):
+    from pairmine.operators.negatives import SearchShard
+
+    return SearchShard(partial(_load_pool, shard_ref), offset, cfg.negatives.depth, threads)
+
+
+def _make_select(cfg: NegativesConfig):
+    from pairmine.operators.negatives import SelectNegatives
 
     n = cfg.negatives
-    return SearchNegatives(partial(_load_pool, corpus_ref), n.depth, n.rank_start, n.rank_end, n.count, n.margin,
-                           n.relative_margin, threads)
+    return SelectNegatives(n.rank_start, n.rank_end, n.count, n.margin, n.relative_margin)
+
+
+class _ChunkCorpus:
+    """Chunk operator of the corpus pass: a batch of corpus shard numbers -> rows of up to ``per_row`` passages
+    (``passages`` list<string>, ``hashes`` list<int64>: the hash of each passage's document id), every usable
+    passage of those shards (:func:`pipeline.inputs.shard_pool` with a pool as large as the corpus)."""
+
+    per_row = 1024  # passages per embed call: one progress step, many forward batches
+
+    def __init__(self, shards: list[Shard], text_column: str, id_column: str, spec: PoolSpec, storage):
+        self.shards, self.text_column, self.id_column, self.spec, self.storage = (shards, text_column, id_column,
+                                                                                  spec, storage)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        passages, hashes = [], []
+        for i in batch.column("shard").to_pylist():
+            for _, h, p in shard_pool(self.shards[i], self.text_column, self.id_column, self.spec, self.storage):
+                passages.append(p)
+                hashes.append(h)
+        cuts = range(0, len(passages), self.per_row)
+        return pa.table({"passages": pa.array([passages[i:i + self.per_row] for i in cuts], pa.list_(pa.string())),
+                         "hashes": pa.array([hashes[i:i + self.per_row] for i in cuts], pa.list_(pa.int64()))})
+
+
+def build_index_shard(kind: str, nprobe: int, ef_search: int, depth: int, probes: int, known_prefix: str | None,
+                      slices: list[tuple[int, int]], *blocks: pa.Table):
+    """One shard of the corpus index, built from slices of embedded corpus blocks (rows of ``passages``, ``hashes``,
+    ``vectors``; ``slices[i]`` = (first passage, end passage) of ``blocks[i]``), run as a Ray task next to the
+    blocks so that no corpus passage passes through the driver.
+
+    Returns:
+        three values (the task's three ObjectRefs): the shard as :class:`operators.negatives.SearchShard` loads it
+        (index bytes, text hashes (n,), document hashes (n,), texts); ``{"passages": n, "index": description,
+        "recall": recall@depth of the shard's index against exact search of the shard, or None}``; and with
+        ``known_prefix`` not None, the shard's vectors as an Embedder's ``known`` lookup (keys of ``known_prefix``
+        + text), else None.
+    """
+    import faiss
+
+    from pairmine.operators.embed import known_vectors, vector_matrix
+    from pairmine.operators.negatives import text_hash
+
+    mats, texts, hashes = [], [], []
+    for (lo, hi), block in zip(slices, blocks):
+        matrix, _ = vector_matrix(block.column("vectors"))  # (passages of the block, dim)
+        mats.append(matrix[lo:hi])
+        texts.extend(block.column("passages").combine_chunks().flatten()[lo:hi].to_pylist())
+        hashes.append(block.column("hashes").combine_chunks().flatten()[lo:hi].to_numpy(zero_copy_only=False))
+    vectors = np.ascontiguousarray(np.concatenate(mats), np.float32)  # (n, dim)
+    doc_hashes = np.concatenate(hashes).astype(np.int64)
+    index, desc = build_index(vectors, kind, nprobe, ef_search)
+    recall = None if kind == "flat" else measure_recall(index, vectors, depth, probes)
+    shard = (faiss.serialize_index(index), np.array([text_hash(t) for t in texts], np.int64), doc_hashes,
+             pa.array(texts, pa.string()))
+    known = None if known_prefix is None else known_vectors([known_prefix + t for t in texts], vectors)
+    return shard, {"passages": len(texts), "index": desc, "recall": recall}, known
+
+
+def split_passages(counts: list[int], shards: int) -> list[list[tuple[int, int, int]]]:
+    """Contiguous, equal ranges of the corpus's passages (within one passage), one per index shard, as slices of its
+    embedded blocks: per shard ``[(block position, first passage, end passage), ...]``. Shards are never empty
+    (fewer shards when there are fewer passages). ``split_passages([5, 5], 3) == [[(0, 0, 3)], [(0, 3, 5), (1, 0, 1)],
+    [(1, 1, 5)]]``.
+
+    Args:
+        counts: passages per embedded block, in corpus order.
+        shards: shards wanted (>= 1).
+    """
+    total = sum(counts)
+    shards = max(1, min(shards, total))
+    bounds = [total * k // shards for k in range(shards + 1)]  # (shards + 1,) global passage offsets
+    starts = np.cumsum([0] + list(counts))
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        part = [(i, max(lo, int(starts[i])) - int(starts[i]), min(hi, int(starts[i + 1])) - int(starts[i]))
+                for i in range(len(counts)) if starts[i] < hi and starts[i + 1] > lo]
+        out.append(part)
+    return out
+
+
+def _passages_in_block(block) -> int:
+    """Passages in one embedded corpus block (rows of up to ``_ChunkCorpus.per_row`` passages)."""
+    import pyarrow.compute as pc
+
+    return int(pc.sum(pc.list_value_length(block.column("passages"))).as_py() or 0)
 
 
 def _make_teacher(cfg: NegativesConfig, device: str, threads: int):
@@ -278,6 +367,67 @@ def check_teacher(path: str) -> None:
                           "one relevance logit per (query, passage) pair")
 
 
+def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_column: str, id_column: str,
+                       spec: PoolSpec, threads: int, device: str, actors: int, embed_cpus: float, embed_gpus: float,
+                       light: float) -> list[dict]:
+    """Chunk and embed the corpus on Ray and build its index in ``negatives.index_shards`` shards (0: as many as
+    ``negatives.index_shard_mb`` of embedded blocks per shard asks), each by a Ray task from the embedded blocks;
+    the driver holds only object refs and per-shard counts, so the corpus may be larger than its memory (Ray's
+    object store spills to disk).
+
+    Returns:
+        per shard, in corpus-row order: ``{"ref": ObjectRef of the shard (index, hashes, texts), "offset": its first
+        global corpus row, "passages", "index": description, "recall", "memory": bytes an actor holding it needs,
+        "known": ObjectRef of the shard's ``known`` lookup (one shard only) or None}``.
+
+    Raises:
+        StallError: the corpus pass stopped making progress (``ray.stall_limit_s``).
+    """
+    import ray
+
+    from pairmine.pipeline.ray_adapter import apply_stage, iter_block_refs, submit, watched
+
+    n = cfg.negatives
+    chunk = Stage("chunk_corpus", partial(_ChunkCorpus, corpus_shards, text_column, id_column, spec,
+                                          cfg.storage_layer()), batch_size=1, num_cpus=light)
+    embed = Stage("embed", partial(_make_corpus_embed, cfg, threads, device), batch_size=1, actors=actors,
+                  num_cpus=embed_cpus, num_gpus=embed_gpus)
+    ds = ray.data.from_items([{"shard": i} for i in range(len(corpus_shards))],
+                             override_num_blocks=max(1, len(corpus_shards)))
+    ds = apply_stage(apply_stage(ds, chunk), embed)
+    blocks: list[tuple] = []
+    done = lambda: f"{sum(r for _, r, _ in blocks)} corpus batches of up to {_ChunkCorpus.per_row} passages " \
+        "embedded"  # noqa: E731
+    for i, item in enumerate(watched(iter_block_refs(ds), [chunk, embed], done, cfg.ray.stall_warn_s,
+                                     cfg.ray.stall_limit_s)):
+        blocks.append(item)
+        if (i + 1) % 20 == 0:
+            log.info("corpus: %s", done())
+    blocks = [b for b in blocks if b[1] > 0]
+    total = sum(size for _, _, size in blocks)
+    wanted = n.index_shards or max(1, math.ceil(total / (n.index_shard_mb * 2 ** 20)))
+    counts = ray.get([submit(_passages_in_block, (ref,), num_cpus=light) for ref, _, _ in blocks])
+    built = []
+    for part in split_passages(counts, wanted) if sum(counts) else []:
+        refs = submit(build_index_shard, (n.index, n.nprobe, n.ef_search, n.depth, n.recall_probes,
+                                          cfg.resolved_prefix() if wanted == 1 else None,
+                                          [(lo, hi) for _, lo, hi in part], *[blocks[i][0] for i, _, _ in part]),
+                      num_returns=3)
+        share = sum((hi - lo) / max(counts[i], 1) * blocks[i][2] for i, lo, hi in part)  # bytes of the slices
+        built.append((refs, int(share)))
+    blocks.clear()  # the tasks hold the blocks they need; the rest can leave the object store
+    del ds
+    infos = ray.get([refs[1] for refs, _ in built])
+    shards, offset = [], 0
+    for (refs, size), info in zip(built, infos):
+        shards.append({"ref": refs[0], "offset": offset, "memory": 2 * size, "known": refs[2], **info})
+        offset += info["passages"]
+    if len(shards) != wanted:
+        log.info("negatives.index_shards: %d asked, %d built (one per corpus passage at most)", wanted, len(shards))
+    return shards or [{"ref": None, "offset": 0, "passages": 0, "index": "", "recall": None, "memory": 0,
+                       "known": None}]
+
+
 def negatives(cfg: NegativesConfig) -> MineResult:
     """Mine hard negatives with a validated config; returns the run folder and its stats.
 
@@ -289,11 +439,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     Raises:
         ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError: user errors, before any work.
     """
-    import faiss
-    import ray
-
-    from pairmine.operators.embed import known_vectors
-    from pairmine.operators.negatives import DROP_REASONS, NEGATIVES_SCHEMA, text_hash
+    from pairmine.operators.negatives import DROP_REASONS, NEGATIVES_SCHEMA
     from pairmine.operators.pairs import PAIR_SKIP_REASONS
     from pairmine.operators.write import STAGING_SORT_COLUMN
 
@@ -344,50 +490,48 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     todo = folder.open(plan, units, unit_rows, "negatives run")
     uncommitted = [s for s in shards if s.index not in folder.records]
 
-    # ---- corpus: chunk, embed, index --------------------------------------------------------------------------------
+    # ---- corpus: chunk, embed, index (no passage passes through the driver) -----------------------------------------
     t_corpus = time.time()
-    pools = run_remote(shard_pool, [(s, text_column, id_column, spec, storage) for s in corpus_shards])
-    passages: list[str] = []
-    doc_hashes: list[int] = []
-    for pool in pools:
-        for _, h, p in pool:
-            passages.append(p)
-            doc_hashes.append(h)
-    del pools
-    if len(passages) < n.rank_start:
-        raise InputError(f"negatives.corpus {n.corpus} has {len(passages)} usable passage(s), fewer than "
+    index_shards = build_corpus_index(cfg, corpus_shards, text_column, id_column, spec, threads, device, actors,
+                                      embed_cpus, embed_gpus, light)
+    corpus_size = sum(s["passages"] for s in index_shards)
+    if corpus_size == 0:
+        raise InputError(f"negatives.corpus {n.corpus}: no usable passage (empty or skipped documents only)")
+    if corpus_size < n.rank_start:
+        raise InputError(f"negatives.corpus {n.corpus} has {corpus_size} usable passage(s), fewer than "
                          f"negatives.rank_start = {n.rank_start}: no candidate could reach the rank window; give a "
                          "larger corpus or lower negatives.rank_start")
-    corpus_texts: list[str] = []
-    embed_stage = Stage("embed", partial(_make_corpus_embed, cfg, threads, device), batch_size=cfg.ray.docs_per_batch,
-                        actors=actors, num_cpus=embed_cpus, num_gpus=embed_gpus)
-    vectors, corpus_docs = embed_pool(passages, np.array(doc_hashes, np.int64), embed_stage, cfg.ray.stall_warn_s,
-                                      cfg.ray.stall_limit_s, texts_out=corpus_texts)
-    del passages, doc_hashes
-    if len(vectors) == 0:
-        raise InputError(f"negatives.corpus {n.corpus}: no usable passage (empty or skipped documents only)")
-    vectors = np.ascontiguousarray(vectors, np.float32)
-    index, index_desc = build_index(vectors, n.index, n.nprobe, n.ef_search)
-    recall = None if n.index == "flat" else measure_recall(index, vectors, n.depth, n.recall_probes)
-    log.info("corpus: %d passages embedded and indexed in %.1f s, %s%s", len(vectors), time.time() - t_corpus,
+    index_desc = index_shards[0]["index"]
+    if len(index_shards) > 1:
+        sizes = [s["passages"] for s in index_shards]
+        index_desc += f", {len(index_shards)} shards of {min(sizes)}-{max(sizes)} passages, merged exactly"
+    recalls = [(s["recall"], s["passages"]) for s in index_shards if s["recall"] is not None]
+    recall = sum(r * w for r, w in recalls) / sum(w for _, w in recalls) if recalls else None
+    log.info("corpus: %d passages embedded and indexed in %.1f s, %s%s", corpus_size, time.time() - t_corpus,
              index_desc, "" if recall is None else f"; recall@{n.depth} against exact search {recall:.4f} "
-             f"({min(n.recall_probes, len(vectors))} corpus passages as probe queries)")
-    corpus_size = len(vectors)
-    text_hashes = np.array([text_hash(t) for t in corpus_texts], np.int64)
-    corpus_ref = ray.put((faiss.serialize_index(index), text_hashes, corpus_docs, pa.array(corpus_texts, pa.string())))
-    # The pairs' embedder takes a positive's (or a query's) vector from the corpus when its prefixed text is there.
-    keys, rows, _ = known_vectors([cfg.resolved_prefix() + t for t in corpus_texts], vectors)
-    known_refs = (ray.put((keys, rows)), ray.put(vectors))
-    del vectors, index, corpus_texts, keys, rows
+             f"({min(n.recall_probes, corpus_size)} corpus passages per shard as probe queries)")
+    # The pairs' embedder takes a positive's (or a query's) vector from the corpus when its prefixed text is there
+    # (one shard only: with several, each pairs actor would have to hold every shard's vectors).
+    known_ref = index_shards[0]["known"] if len(index_shards) == 1 else None
+    if len(index_shards) > 1:
+        log.info("the index is sharded: every query and positive is embedded (corpus vectors are reused with one "
+                 "shard only)")
 
     # ---- the streaming pass, a commit per shard ----------------------------------------------------------------------
     batch = cfg.ray.docs_per_batch
     stages = [
         Stage("read_pairs", partial(_make_read, cfg, kind), batch_size=1, num_cpus=light),
-        Stage("embed_pairs", partial(_make_embed, cfg, threads, device, known_refs), batch_size=batch, actors=actors,
+        Stage("embed_pairs", partial(_make_embed, cfg, threads, device, known_ref), batch_size=batch, actors=actors,
               num_cpus=embed_cpus, num_gpus=embed_gpus),
-        Stage("search", partial(_make_search, corpus_ref, cfg, threads), batch_size=batch, actors=1, num_cpus=light),
     ]
+    # One search stage per index shard, each actor holding its shard only (Ray places it where its memory fits);
+    # together they take the one light CPU slot the stage plan gives the search.
+    for k, shard in enumerate(index_shards):
+        stages.append(Stage("search" if len(index_shards) == 1 else f"search_shard_{k}",
+                            partial(_make_search, shard["ref"], shard["offset"], cfg, threads), batch_size=batch,
+                            actors=1, num_cpus=light / len(index_shards),
+                            memory=shard["memory"] if len(index_shards) > 1 else 0))
+    stages.append(Stage("select", partial(_make_select, cfg), batch_size=batch, num_cpus=light))
     if n.teacher:
         stages.append(Stage("teacher", partial(_make_teacher, cfg, device, threads), batch_size=batch, actors=actors,
                             num_cpus=embed_cpus, num_gpus=embed_gpus))

@@ -29,6 +29,8 @@ class Stage:
         batch_size: rows per call (None: a whole block).
         actors: size of the actor pool; 0 runs the operator as tasks.
         num_cpus / num_gpus: resources per task or actor.
+        memory: bytes of memory Ray reserves per task or actor (0: none); an actor holding a large object (an index
+            shard) says so, and Ray places it on a node with that much memory free.
     """
 
     name: str
@@ -37,6 +39,7 @@ class Stage:
     actors: int = 0
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    memory: int = 0
 
 
 class _ActorOperator:
@@ -58,6 +61,8 @@ def apply_stage(ds, stage: Stage):
     common: dict[str, Any] = dict(batch_size=stage.batch_size, batch_format="pyarrow", num_cpus=stage.num_cpus)
     if stage.num_gpus:
         common["num_gpus"] = stage.num_gpus
+    if stage.memory:
+        common["memory"] = int(stage.memory)
     if stage.actors > 0:
         # A class per stage with the factory in its closure, so Ray's logs and progress name the stage.
         make = stage.make
@@ -429,6 +434,27 @@ def run_remote(fn: Callable, args_list: list[tuple], num_cpus: float = 1.0) -> l
 
     remote = ray.remote(num_cpus=num_cpus)(fn)
     return ray.get([remote.remote(*a) for a in args_list])
+
+
+def iter_block_refs(ds):
+    """Run ``ds`` and yield ``(block ObjectRef, rows, bytes)`` for each output block as it completes, without fetching
+    any data into this process: the blocks stay in Ray's object store (spilled to disk when it is full) for as long
+    as the caller holds the refs. (Ray Data's ``iter_internal_ref_bundles``, a developer API; ``materialize`` runs the
+    same way but shows no progress until it ends.)"""
+    for bundle in ds.iter_internal_ref_bundles():
+        for ref, meta in zip(bundle.block_refs, bundle.metadata):
+            yield ref, int(meta.num_rows or 0), int(meta.size_bytes or 0)
+
+
+def submit(fn: Callable, args: tuple, num_returns: int = 1, num_cpus: float = 1.0, memory: int = 0):
+    """``fn(*args)`` as one Ray task; returns its ObjectRef(s) without waiting (ObjectRefs among ``args`` arrive as
+    their values)."""
+    import ray
+
+    opts: dict[str, Any] = dict(num_returns=num_returns, num_cpus=num_cpus)
+    if memory:
+        opts["memory"] = int(memory)
+    return ray.remote(fn).options(**opts).remote(*args)
 
 
 def stage_figures(ds, prefix: str = "") -> list[dict]:

@@ -43,8 +43,8 @@ class RayNode:
     """
 
     def __init__(self, num_cpus: int = 1, address: str | None = None, log_dir: Path | None = None,
-                 dashboard: bool = False):
-        self.num_cpus, self.head_address, self.dashboard = num_cpus, address, dashboard
+                 dashboard: bool = False, memory: int = 0):
+        self.num_cpus, self.head_address, self.dashboard, self.memory = num_cpus, address, dashboard, memory
         self.port = free_port() if address is None else None
         self.address = address or f"127.0.0.1:{self.port}"
         self.dashboard_port = free_port() if dashboard and address is None else None
@@ -59,6 +59,8 @@ class RayNode:
     def start(self, timeout: float = 90.0) -> "RayNode":
         cmd = [ray_binary(), "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={self.num_cpus}",
                "--num-gpus=0", "--disable-usage-stats"]
+        if self.memory:  # the node's "memory" resource, in bytes (what tasks and actors may reserve)
+            cmd.append(f"--memory={self.memory}")
         # Every port of its own, so that several nodes (and other Rays) live side by side on one machine.
         for flag in ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
                      "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port"):

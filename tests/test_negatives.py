@@ -76,6 +76,73 @@ def test_approximate_indexes_report_their_recall_against_exact_search():
     assert measure_recall(ivf, x, 50, 100) < measure_recall(build_index(x, "ivf", nprobe=102)[0], x, 50, 100) == 1.0
 
 
+def test_shard_by_shard_search_is_the_search_of_the_whole_corpus():
+    """The corpus split into index shards, searched shard by shard with the candidate lists merged, gives the same
+    candidates, scores and negatives as one index over the whole corpus (random vectors: no two scores tie)."""
+    import faiss
+
+    from pairmine.operators.consistency import doc_hash
+    from pairmine.operators.negatives import SearchShard, SelectNegatives, merge_candidates, text_hash
+    from pairmine.pipeline.negatives import build_index
+
+    # By hand: a = rows 4, 9 (0.8, 0.5); b = rows 1, 7, 2 (0.8, 0.6, 0.1); depth 3 -> 0.8 (row 1, the lower row of
+    # the tie), 0.8 (row 4), 0.6 (row 7); row 2 and the padding (-1) are left out.
+    order, scores = merge_candidates(np.array([4, 9]), np.array([0.8, 0.5], np.float32), np.array([1, 7, 2, -1]),
+                                     np.array([0.8, 0.6, 0.1, 0.0], np.float32), 3)
+    assert order.tolist() == [2, 0, 3] and scores.tolist() == pytest.approx([0.8, 0.8, 0.6])
+
+    rng = np.random.default_rng(1)
+    n, dim, queries = 900, 48, 40
+    x = rng.normal(size=(n, dim)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    texts = [f"passage {i}" for i in range(n)]
+    text_hashes = np.array([text_hash(t) for t in texts], np.int64)
+    doc_hashes = np.array([doc_hash(str(i // 3)) for i in range(n)], np.int64)  # three passages per document
+    q = x[:queries] + 0.5 * rng.normal(size=(queries, dim)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    vec = lambda m: pa.FixedSizeListArray.from_arrays(pa.array(m.ravel()), dim)  # noqa: E731
+    batch = pa.table({"pair_id": [str(i) for i in range(queries)], "doc_id": [str(i // 3) for i in range(queries)],
+                      "query": [f"q{i}" for i in range(queries)], "passage": texts[:queries],
+                      "skip_reason": pa.array([None] * (queries - 1) + ["empty"], pa.string()),
+                      "query_vector": vec(q), "passage_vector": vec(x[:queries])})
+
+    def shard(lo, hi):
+        blob = faiss.serialize_index(build_index(np.ascontiguousarray(x[lo:hi]), "flat")[0])
+        return lambda: (blob, text_hashes[lo:hi], doc_hashes[lo:hi], pa.array(texts[lo:hi]))
+
+    select = SelectNegatives(rank_start=5, rank_end=150, count=10)
+    whole = SearchShard(shard(0, n), 0, depth=150)(batch)
+    merged = batch
+    for lo, hi in ((0, 250), (250, 700), (700, n)):  # uneven shards
+        merged = SearchShard(shard(lo, hi), lo, depth=150)(merged)
+    assert merged.column("cand_ids").to_pylist() == whole.column("cand_ids").to_pylist()
+    assert merged.column("cand_texts").to_pylist() == whole.column("cand_texts").to_pylist()
+    assert np.allclose(np.array(merged.column("cand_scores").to_pylist()[:-1]),
+                       np.array(whole.column("cand_scores").to_pylist()[:-1]), atol=1e-6)
+    assert merged.column("cand_ids").to_pylist()[-1] is None  # a skipped pair is not searched
+    # The list is the brute-force top 150 by cosine.
+    truth = np.argsort(-(q[:-1] @ x.T), axis=1)[:, :150]
+    assert np.array(merged.column("cand_ids").to_pylist()[:-1]).tolist() == truth.tolist()
+    a, b = select(merged).to_pylist(), select(whole).to_pylist()
+    assert [r["negatives"] for r in a] == [r["negatives"] for r in b]
+    assert [r["negative_ranks"] for r in a] == [r["negative_ranks"] for r in b]
+    assert all(len(r["negatives"]) == 10 and min(r["negative_ranks"]) >= 5 for r in a[:-1])
+    drops = json.loads(a[0]["drops"])  # the positive itself and rows of the query's own document are dropped
+    assert drops["positive_duplicate"] > 0 and drops["same_document"] > 0
+
+
+def test_split_passages_into_index_shards():
+    from pairmine.pipeline.negatives import split_passages
+
+    # 10 passages in two blocks, three shards of 3, 3 and 4 passages: the middle one spans both blocks.
+    assert split_passages([5, 5], 3) == [[(0, 0, 3)], [(0, 3, 5), (1, 0, 1)], [(1, 1, 5)]]
+    assert split_passages([5, 5, 5, 5], 2) == [[(0, 0, 5), (1, 0, 5)], [(2, 0, 5), (3, 0, 5)]]
+    assert split_passages([5, 5], 1) == [[(0, 0, 5), (1, 0, 5)]]
+    assert split_passages([2], 5) == [[(0, 0, 1)], [(0, 1, 2)]]  # no empty shard
+    parts = split_passages([1024, 1024, 173], 4)
+    assert [sum(hi - lo for _, lo, hi in p) for p in parts] == [555, 555, 555, 556]
+
+
 @pytest.fixture(scope="module")
 def tiny_teacher(tmp_path_factory) -> str:
     """A 2-layer cross-encoder (BERT, one output logit) with the real all-MiniLM-L6-v2 tokenizer, seeded weights."""
@@ -153,7 +220,7 @@ def test_positives_and_queries_found_in_the_corpus_are_not_embedded_again(tiny_r
 
     from pairmine.operators.consistency import doc_hash
     from pairmine.operators.embed import Embedder, known_vectors
-    from pairmine.operators.negatives import EmbedPairVectors, SearchNegatives, text_hash
+    from pairmine.operators.negatives import EmbedPairVectors, SearchShard, SelectNegatives, text_hash
     from pairmine.pipeline.negatives import build_index
     from tests.conftest import SCORE_ATOL
 
@@ -184,7 +251,7 @@ def test_positives_and_queries_found_in_the_corpus_are_not_embedded_again(tiny_r
     mined = {}
     for name, lookup in (("reused", lambda: known), ("embedded", None)):
         embedded = EmbedPairVectors(resolved["query_prefix"], lookup, **embed)(batch)
-        mined[name] = SearchNegatives(lambda: corpus_arrays)(embedded).to_pylist()
+        mined[name] = SelectNegatives()(SearchShard(lambda: corpus_arrays)(embedded)).to_pylist()
         assert sum(r["vectors_reused"] for r in mined[name]) == (2 * len(rows) if lookup else 0)
     for a, b, run_row in zip(mined["reused"], mined["embedded"], rows):
         assert (a["negatives"], a["negative_ranks"]) == (b["negatives"], b["negative_ranks"])
@@ -192,6 +259,55 @@ def test_positives_and_queries_found_in_the_corpus_are_not_embedded_again(tiny_r
         # The run's cos(query, positive), from corpus vectors, is that of vectors embedded afresh.
         assert a["positive_score"] == pytest.approx(b["positive_score"], abs=SCORE_ATOL)
         assert run_row["positive_score"] == pytest.approx(b["positive_score"], abs=SCORE_ATOL)
+
+
+def test_a_sharded_index_finds_the_negatives_of_one_index(tiny_run, tmp_path):
+    """negatives.index_shards=3: the corpus index is built by three Ray tasks from the embedded blocks (no corpus
+    passage in the driver) and searched by three search actors in a chain; the negatives are those of one exact
+    index over the whole corpus, computed here in-process."""
+    import faiss
+
+    from pairmine.operators.consistency import doc_hash
+    from pairmine.operators.embed import Embedder
+    from pairmine.operators.negatives import EmbedPairVectors, SearchShard, SelectNegatives, text_hash
+    from pairmine.pipeline.negatives import build_index
+    from tests.conftest import SCORE_ATOL
+
+    run_dir, _ = tiny_run
+    proc = _cli("--input", str(run_dir), "--corpus", str(run_dir), "--output", str(tmp_path), "--run-id", "sharded",
+                "--set", "negatives.index_shards=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "sharded"
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["reconciled"] and stats["pairs_out"] == len(pq.read_table(run_dir / "groups"))
+    assert stats["index"].startswith("exact (faiss IndexFlatIP), 3 shards of ")
+    assert stats["vectors_reused"] == 0  # with several shards every query and positive is embedded
+    rows = pq.read_table(out / "negatives").to_pylist()
+    # One exact index over the whole corpus, in-process, on the same queries.
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    embed = {k: manifest["config"]["embed"][k] for k in ("model", "max_length", "dtype")}
+    docs = pq.read_table(manifest["inputs"][0]["path"], columns=["id", "text"]).to_pylist()
+    corpus = [(d["id"], p) for d in docs for p in chunk_text(d["text"], token_limit=run_token_limit(manifest)).passages]
+    assert stats["corpus_passages"] == len(corpus)
+    texts = [p for _, p in corpus]
+    blob = faiss.serialize_index(build_index(Embedder(**embed).encode(texts), "flat")[0])
+    arrays = (blob, np.array([text_hash(t) for t in texts]), np.array([doc_hash(i) for i, _ in corpus]),
+              pa.array(texts))
+    batch = pa.table({"pair_id": [r["pair_id"] for r in rows], "doc_id": [r["doc_id"] for r in rows],
+                      "query": [r["query"] for r in rows], "passage": [r["positive"] for r in rows],
+                      "skip_reason": pa.nulls(len(rows), pa.string())})
+    expected = SelectNegatives()(SearchShard(lambda: arrays)(EmbedPairVectors(**embed)(batch))).to_pylist()
+    # The tiny model's cosines all lie near 0.99, so two candidates' scores may tie to within the ~1e-7 by which a
+    # query vector embedded in another batch differs (SCORE_ATOL): such a pair may swap ranks, which may move a
+    # negative by a rank or trade it for its near-tie. At every kept place the score is the same, and the rest of
+    # the rows are identical.
+    same = 0
+    for got, want in zip(rows, expected):
+        assert got["positive_score"] == pytest.approx(want["positive_score"], abs=SCORE_ATOL)
+        assert len(got["negatives"]) == len(want["negatives"]) == 7
+        assert np.allclose(got["negative_scores"], want["negative_scores"], atol=SCORE_ATOL)
+        same += (got["negatives"], got["negative_ranks"]) == (want["negatives"], want["negative_ranks"])
+    assert same >= 0.98 * len(rows), (same, len(rows))
 
 
 def test_train_on_negatives_with_teacher_scores(teacher_run, tiny_model_dir, tmp_path):
