@@ -306,7 +306,8 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
     """Yield from ``items`` (a Ray Data iterator), watching for a pipeline that stops making progress.
 
     While nothing arrives for ``warn_s`` seconds, a warning (:func:`stall_report`) is logged every ``warn_s``
-    seconds; after ``limit_s`` seconds without progress (0: never) :class:`StallError` ends the wait, and Ctrl-C
+    seconds (before the first item, while Ray has no demand it cannot place, an info line that the first batch is
+    on its way instead: on CPU a first batch takes a minute); after ``limit_s`` seconds without progress (0: never) :class:`StallError` ends the wait, and Ctrl-C
     (KeyboardInterrupt) ends it the same way before it propagates. The iterator is drained in a daemon thread, so
     the wait can end even while Ray blocks. Before the error is raised, the driver's running Ray Data executions
     are shut down and the draining thread is given up to 30 s to end, so nothing of the abandoned run still talks
@@ -333,6 +334,7 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
     thread = threading.Thread(target=drain, name="pairmine-stream", daemon=True)
     thread.start()
     last = warned = time.time()
+    first = True  # nothing has arrived yet
     while True:
         try:
             kind, value = q.get(timeout=min(5.0, max(warn_s, 0.5)))
@@ -348,13 +350,20 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
                 raise error
             if idle >= warn_s and now - warned >= warn_s:
                 warned = now
-                log.warning("%s", stall_report(stages, idle, progress()))
+                if first and not pending_demands():
+                    # Before the first batch, with every stage placed: a first batch (model loads, a batch of
+                    # documents through a CPU embedder) takes a while; not a warning yet.
+                    log.info("nothing completed yet after %.0f s (%s): every stage is placed and running, the first "
+                             "batch is still on its way", idle, progress())
+                else:
+                    log.warning("%s", stall_report(stages, idle, progress()))
             continue
         if kind == "end":
             return
         if kind == "error":
             raise value
         last = warned = time.time()
+        first = False
         yield value
 
 

@@ -106,7 +106,9 @@ def test_frozen_embedder_ends_the_run_and_the_run_id_resumes(tiny_model_dir, sam
     assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
     # The abandoned execution was shut down before Ray: nothing of it talks to a stopped Ray (or starts a new one).
     assert "Ray is not initialized" not in err and "SIGTERM handler is not set" not in err, err[-3000:]
-    assert "nothing completed for" in err  # the warning while it waited
+    # While it waited: frozen before the first batch, with nothing left to place, it said so (an info line), then
+    # the stall error.
+    assert "nothing completed yet after" in err and "the first batch is still on its way" in err
     error = [line for line in err.splitlines() if line.startswith("pairmine: error:")]
     assert len(error) == 1 and error[0].startswith("pairmine: error: stalled: nothing completed for 2")
     assert "a stage is running but not finishing" in error[0] and "--run-id frozen" in error[0]
