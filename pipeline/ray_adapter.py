@@ -307,11 +307,11 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
 
     While nothing arrives for ``warn_s`` seconds, a warning (:func:`stall_report`) is logged every ``warn_s``
     seconds (before the first item, while Ray has no demand it cannot place, an info line that the first batch is
-    on its way instead: on CPU a first batch takes a minute); after ``limit_s`` seconds without progress (0: never) :class:`StallError` ends the wait, and Ctrl-C
-    (KeyboardInterrupt) ends it the same way before it propagates. The iterator is drained in a daemon thread, so
-    the wait can end even while Ray blocks. Before the error is raised, the driver's running Ray Data executions
-    are shut down and the draining thread is given up to 30 s to end, so nothing of the abandoned run still talks
-    to Ray when the caller shuts Ray down.
+    on its way instead: on CPU a first batch takes a minute); after ``limit_s`` seconds without progress (0: never)
+    :class:`StallError` ends the wait, and Ctrl-C (KeyboardInterrupt) ends it the same way before it propagates.
+    The iterator is drained in a daemon thread, so the wait can end even while Ray blocks. Before the error is
+    raised, the driver's running Ray Data executions are shut down and the draining thread is given up to 30 s to
+    end, so nothing of the abandoned run still talks to Ray when the caller shuts Ray down.
 
     Raises:
         StallError: no item for ``limit_s`` seconds; the message is the last report plus ``hint``.
