@@ -218,6 +218,57 @@ def merge_candidates(ids_a: np.ndarray, scores_a: np.ndarray, ids_b: np.ndarray,
     return order, scores[order]
 
 
+class TorchFlatSearch:
+    """Exact inner-product top-k with torch, for a GPU: the shard's vectors live on ``device`` and each query batch is
+    scored against them a chunk of rows at a time (a running top-k, so the (queries x shard) score matrix is never
+    whole). Full fp32 (TF32 off), so its scores are those of faiss ``IndexFlatIP`` to float rounding. Used for an
+    exact index on CUDA: faiss's GPU build (``faiss-gpu-cu12``) and the CPU build (``faiss-cpu``) install the same
+    ``faiss`` module and cannot live side by side, while torch with CUDA is there already.
+
+    Args:
+        vectors: (n, dim) float32 unit vectors of the shard.
+        device: a torch device ("cuda", "cpu").
+        chunk_mb: MiB of fp32 scores per chunk of shard rows.
+    """
+
+    def __init__(self, vectors: np.ndarray, device: str = "cuda", chunk_mb: float = 256):
+        import torch
+
+        self.device = torch.device(device)
+        self.x = torch.from_numpy(np.ascontiguousarray(vectors, np.float32)).to(self.device)  # (n, dim)
+        self.ntotal, self.chunk_mb = len(vectors), chunk_mb
+
+    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """faiss's ``search``: (scores (m, k) float32, rows (m, k) int64), best first, for (m, dim) queries; rows
+        -1 where the shard has fewer than ``k`` vectors. Ties at equal scores: the lower row first."""
+        import torch
+
+        m = len(q)
+        k_eff = min(k, self.ntotal)
+        rows_per_chunk = max(k_eff, int(self.chunk_mb * 2 ** 20 / 4 / max(m, 1)))
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            with torch.inference_mode():
+                qt = torch.from_numpy(np.ascontiguousarray(q, np.float32)).to(self.device)
+                best_s = torch.empty((m, 0), device=self.device)
+                best_i = torch.empty((m, 0), dtype=torch.int64, device=self.device)
+                for lo in range(0, self.ntotal, rows_per_chunk):
+                    s = qt @ self.x[lo:lo + rows_per_chunk].T  # (m, chunk)
+                    i = torch.arange(lo, lo + s.shape[1], device=self.device).expand(m, -1)
+                    s, i = torch.cat([best_s, s], 1), torch.cat([best_i, i], 1)
+                    # stable sort by score descending keeps the lower row first among equal scores
+                    order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k_eff]
+                    best_s, best_i = torch.gather(s, 1, order), torch.gather(i, 1, order)
+                scores, rows = best_s.cpu().numpy(), best_i.cpu().numpy()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        if k_eff < k:
+            scores = np.pad(scores, ((0, 0), (0, k - k_eff)), constant_values=-np.inf)
+            rows = np.pad(rows, ((0, 0), (0, k - k_eff)), constant_values=-1)
+        return scores.astype(np.float32), rows
+
+
 class SearchShard:
     """Search operator for one shard of the corpus index: its top ``depth`` for every usable pair's query, merged
     (:func:`merge_candidates`) into the pair's running candidate list (:data:`CANDIDATE_COLUMNS`; the first shard's
@@ -230,10 +281,15 @@ class SearchShard:
         offset: the global corpus row of the shard's first passage.
         depth: candidates kept per query.
         threads: faiss OpenMP threads (0: faiss's default).
+        device: "cuda": an exact (flat) shard is searched on the GPU with :class:`TorchFlatSearch`; IVF and HNSW
+            shards, and "cpu", with faiss on the CPU. ``torch_device`` forces the torch engine on another device
+            (the tests compare both engines on a CPU).
     """
 
-    def __init__(self, load_shard, offset: int = 0, depth: int = 200, threads: int = 0):
+    def __init__(self, load_shard, offset: int = 0, depth: int = 200, threads: int = 0, device: str = "cpu",
+                 torch_device: str | None = None):
         self.load_shard, self.offset, self.depth, self.threads = load_shard, offset, depth, threads
+        self.torch_device = torch_device or ("cuda" if device == "cuda" else None)
         self._shard = None
 
     def shard(self):
@@ -243,7 +299,10 @@ class SearchShard:
             if self.threads:
                 faiss.omp_set_num_threads(self.threads)
             blob, text_hashes, doc_hashes, texts = self.load_shard()
-            self._shard = (load_index(blob), text_hashes, doc_hashes, texts)
+            index = load_index(blob)
+            if self.torch_device and isinstance(index, faiss.IndexFlat):
+                index = TorchFlatSearch(index.reconstruct_n(0, index.ntotal), self.torch_device)
+            self._shard = (index, text_hashes, doc_hashes, texts)
         return self._shard
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -10,7 +10,8 @@ by a cross-encoder teacher (seed 004, chapter 3: E5's second stage; SPEC "Hard n
              passage ranges; exact IndexFlatIP by default, IVF or HNSW as options with their recall@depth against
              exact search measured on probe passages and logged); the driver holds object refs and counts only
     read -> embed (query prefix / passage prefix) -> search (one actor per index shard, each holding its shard; the
-             candidate lists merged exactly) -> select (rank window) -> [teacher] -> write (staging)
+             candidate lists merged exactly; an exact shard on a GPU plan is searched with torch on the GPU) ->
+             select (rank window) -> [teacher] -> write (staging)
     commit   one part per input shard as soon as its pairs are written (pipeline.run_folder: a killed run re-run
              with its --run-id keeps committed shards and completed row groups, and searches only the rest; the
              corpus is embedded and indexed again), then stats.json (drop reasons counted), manifest.json, _SUCCESS
@@ -233,10 +234,10 @@ def _make_corpus_embed(cfg: NegativesConfig, threads: int, device: str):
                     e.trust_remote_code)
 
 
-def _make_search(shard_ref, offset: int, cfg: NegativesConfig, threads: int):
+def _make_search(shard_ref, offset: int, cfg: NegativesConfig, threads: int, device: str):
     from pairmine.operators.negatives import SearchShard
 
-    return SearchShard(partial(_load_pool, shard_ref), offset, cfg.negatives.depth, threads)
+    return SearchShard(partial(_load_pool, shard_ref), offset, cfg.negatives.depth, threads, device)
 
 
 def _make_select(cfg: NegativesConfig):
@@ -525,11 +526,14 @@ def negatives(cfg: NegativesConfig) -> MineResult:
               num_cpus=embed_cpus, num_gpus=embed_gpus),
     ]
     # One search stage per index shard, each actor holding its shard only (Ray places it where its memory fits);
-    # together they take the one light CPU slot the stage plan gives the search.
+    # together they take the stage plan's filter slot: its light CPU share and, on GPUs, its GPU share (an exact
+    # shard is then searched on the GPU with torch; IVF/HNSW stay on faiss's CPU build).
+    search_device = device if n.index == "flat" else "cpu"
+    search_gpus = stage_plan.filter_gpus / len(index_shards) if search_device == "cuda" else 0.0
     for k, shard in enumerate(index_shards):
         stages.append(Stage("search" if len(index_shards) == 1 else f"search_shard_{k}",
-                            partial(_make_search, shard["ref"], shard["offset"], cfg, threads), batch_size=batch,
-                            actors=1, num_cpus=light / len(index_shards),
+                            partial(_make_search, shard["ref"], shard["offset"], cfg, threads, search_device),
+                            batch_size=batch, actors=1, num_cpus=light / len(index_shards), num_gpus=search_gpus,
                             memory=shard["memory"] if len(index_shards) > 1 else 0))
     stages.append(Stage("select", partial(_make_select, cfg), batch_size=batch, num_cpus=light))
     if n.teacher:
@@ -585,6 +589,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
         "resolved": {"model": model_id(cfg), "query_prefix": cfg.resolved_query_prefix(),
                      "passage_prefix": cfg.resolved_prefix(), "embed_device": device, "ray": where,
                      "stage_plan": stage_plan.describe(), "input_kind": kind, "index": index_desc,
+                     "search": "torch on cuda (exact)" if search_device == "cuda" else "faiss on cpu",
                      "index_recall_at_depth": recall, "teacher": n.teacher or None},
         "inputs": [_shard_dict(s) for s in shards],
         "corpus": [_shard_dict(s) for s in corpus_shards],

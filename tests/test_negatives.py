@@ -123,6 +123,19 @@ def test_shard_by_shard_search_is_the_search_of_the_whole_corpus():
     # The list is the brute-force top 150 by cosine.
     truth = np.argsort(-(q[:-1] @ x.T), axis=1)[:, :150]
     assert np.array(merged.column("cand_ids").to_pylist()[:-1]).tolist() == truth.tolist()
+    # The torch engine (a GPU's exact search; here on the CPU) finds the same lists, shard by shard.
+    with_torch = batch
+    for lo, hi in ((0, 250), (250, 700), (700, n)):
+        with_torch = SearchShard(shard(lo, hi), lo, depth=150, torch_device="cpu")(with_torch)
+    assert with_torch.column("cand_ids").to_pylist() == whole.column("cand_ids").to_pylist()
+    assert np.allclose(np.array(with_torch.column("cand_scores").to_pylist()[:-1]),
+                       np.array(whole.column("cand_scores").to_pylist()[:-1]), atol=1e-6)
+    from pairmine.operators.negatives import TorchFlatSearch
+
+    small = TorchFlatSearch(x[:5], "cpu", chunk_mb=1e-4)  # 2 rows per chunk; fewer rows than k: faiss's padding
+    scores, found = small.search(q[:2], 7)
+    assert found[:, 5:].tolist() == [[-1, -1]] * 2 and np.isneginf(scores[:, 5:]).all()
+    assert found[:, :5].tolist() == np.argsort(-(q[:2] @ x[:5].T), axis=1).tolist()
     a, b = select(merged).to_pylist(), select(whole).to_pylist()
     assert [r["negatives"] for r in a] == [r["negatives"] for r in b]
     assert [r["negative_ranks"] for r in a] == [r["negative_ranks"] for r in b]
