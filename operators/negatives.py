@@ -311,29 +311,46 @@ class SearchShard:
         ok = pc.is_null(batch.column("skip_reason")).to_numpy(zero_copy_only=False)
         rows = np.flatnonzero(ok)
         first = "cand_ids" not in batch.column_names
-        before = {c: [None] * n if first else batch.column(c).to_pylist() for c in CANDIDATE_COLUMNS}
-        after = {c: [None] * n for c in CANDIDATE_COLUMNS}
+        # Each list column as (flat values, offsets (n + 1,)): the old lists, empty before the first shard.
+        old = {c: _flat_lists(batch.column(c)) if not first else (pa.array([], t.value_type), np.zeros(n + 1, int))
+               for c, t in CANDIDATE_COLUMNS.items()}
+        old_ids, old_scores = old["cand_ids"][0].to_numpy(), old["cand_scores"][0].to_numpy()
+        bounds = old["cand_ids"][1]
+        take, new_rows, offsets = [], [], np.zeros(n + 1, np.int64)  # indices into concat(old values, new values)
         if len(rows):
             q = np.ascontiguousarray(_matrix(batch.column("query_vector"))[rows], np.float32)  # (usable, dim)
             found_scores, found = index.search(q, min(self.depth, index.ntotal))
+            n_old, n_new = len(old_ids), 0
             for k, r in enumerate(rows.tolist()):
                 local = found[k][found[k] >= 0]
-                new_ids, new_scores = local + self.offset, found_scores[k][: len(local)]
-                old_ids = np.asarray(before["cand_ids"][r] or [], np.int64)
-                old_scores = np.asarray(before["cand_scores"][r] or [], np.float32)
-                order, merged_scores = merge_candidates(old_ids, old_scores, new_ids, new_scores, self.depth)
-                old_n = len(old_ids)
-                pick = lambda old, new: [old[i] if i < old_n else new[i - old_n] for i in order.tolist()]  # noqa: E731
-                after["cand_ids"][r] = np.concatenate([old_ids, new_ids])[order].tolist()
-                after["cand_scores"][r] = merged_scores.tolist()
-                after["cand_text_hashes"][r] = pick(before["cand_text_hashes"][r] or [], text_hashes[local].tolist())
-                after["cand_doc_hashes"][r] = pick(before["cand_doc_hashes"][r] or [], doc_hashes[local].tolist())
-                after["cand_texts"][r] = pick(before["cand_texts"][r] or [],
-                                              texts.take(pa.array(local, pa.int64())).to_pylist())
+                lo, hi = int(bounds[r]), int(bounds[r + 1])
+                order, _ = merge_candidates(old_ids[lo:hi], old_scores[lo:hi], local + self.offset,
+                                            found_scores[k][: len(local)], self.depth)
+                take.append(np.where(order < hi - lo, lo + order, n_old + n_new + order - (hi - lo)))
+                new_rows.append(local)
+                n_new += len(local)
+                offsets[r + 1] = len(order)
+        offsets = np.cumsum(offsets)
+        take = pa.array(np.concatenate(take) if take else np.zeros(0, np.int64))
+        local = np.concatenate(new_rows) if new_rows else np.zeros(0, np.int64)
+        new = {"cand_ids": pa.array(local + self.offset), "cand_scores": pa.array(found_scores[found >= 0])
+               if len(rows) else pa.array([], pa.float32()),
+               "cand_text_hashes": pa.array(text_hashes[local]), "cand_doc_hashes": pa.array(doc_hashes[local]),
+               "cand_texts": texts.take(pa.array(local))}
+        mask = pa.array(~ok)
         out = batch if first else batch.drop_columns(list(CANDIDATE_COLUMNS))
         for c, t in CANDIDATE_COLUMNS.items():
-            out = out.append_column(c, pa.array(after[c], t))
+            values = pa.concat_arrays([old[c][0].cast(t.value_type), new[c].cast(t.value_type)]).take(take)
+            out = out.append_column(c, pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values, mask=mask))
         return out
+
+
+def _flat_lists(column) -> tuple[pa.Array, np.ndarray]:
+    """A list column as (its values, offsets (rows + 1,) from 0): row r's list is ``values[offsets[r]:offsets[r+1]]``
+    (a null row: an empty range)."""
+    lists = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    offsets = lists.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    return lists.values.slice(offsets[0], offsets[-1] - offsets[0]), offsets - offsets[0]
 
 
 class SelectNegatives:
@@ -364,20 +381,23 @@ class SelectNegatives:
             p = _matrix(batch.column("passage_vector"))[rows]  # (usable, dim)
             positives, queries = batch.column("passage").to_pylist(), batch.column("query").to_pylist()
             doc_ids = batch.column("doc_id").to_pylist() if "doc_id" in batch.column_names else [None] * n
-            cand = {c: batch.column(c).to_pylist() for c in CANDIDATE_COLUMNS}
+            cand_scores, bounds = _flat_lists(batch.column("cand_scores"))
+            cand_scores = cand_scores.to_numpy()
+            text_hashes = _flat_lists(batch.column("cand_text_hashes"))[0].to_numpy()
+            doc_hashes = _flat_lists(batch.column("cand_doc_hashes"))[0].to_numpy()
+            cand_texts = _flat_lists(batch.column("cand_texts"))[0]
             for k, r in enumerate(rows.tolist()):
                 s = float(np.dot(q[k], p[k]))
                 pos_score[r] = s
-                found_scores = np.asarray(cand["cand_scores"][r], np.float32)
-                kept, d = select_negatives(np.arange(len(found_scores)), found_scores,
-                                           np.asarray(cand["cand_text_hashes"][r], np.int64),
-                                           np.asarray(cand["cand_doc_hashes"][r], np.int64), text_hash(positives[r]),
+                lo, hi = int(bounds[r]), int(bounds[r + 1])
+                kept, d = select_negatives(np.arange(hi - lo), cand_scores[lo:hi], text_hashes[lo:hi],
+                                           doc_hashes[lo:hi], text_hash(positives[r]),
                                            None if doc_ids[r] is None else doc_hash(doc_ids[r]), s, **self.window,
                                            query_text_hash=text_hash(queries[r]))
                 drops.update(d)
-                negs[r] = [cand["cand_texts"][r][i] for i in kept]
+                negs[r] = cand_texts.take(pa.array(lo + np.asarray(kept, np.int64))).to_pylist()
                 ranks[r] = [i + 1 for i in kept]
-                scores[r] = found_scores[kept].tolist()
+                scores[r] = cand_scores[lo:hi][kept].tolist()
         out = batch.drop_columns(["query_vector", "passage_vector", *CANDIDATE_COLUMNS])
         out = out.append_column("positive_score", pa.array(pos_score, mask=~ok))
         out = out.append_column("negatives", pa.array(negs, pa.list_(pa.string())))

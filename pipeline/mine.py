@@ -175,6 +175,10 @@ def _make_filter(pool_ref, k: int, device: str, chunk_mb: float):
     return ConsistencyFilter(partial(_load_pool, pool_ref), k, device, chunk_mb)
 
 
+EMBED_CALL_PASSAGES = 1024  # passages per embed call of a pass over loose passages (the pool, a negatives corpus):
+# one progress step (~10 s on 2 CPU cores), many forward batches
+
+
 def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage, stall_warn_s: float = 60.0,
                stall_limit_s: float = 1800.0, hint: str = "", texts_out: list | None = None,
                figures_out: list | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -194,7 +198,7 @@ def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage, 
 
     from pairmine.operators.embed import vector_matrix
 
-    per_row = 1024  # passages per embed call: one progress step (~10 s on 2 CPU cores), many forward batches
+    per_row = EMBED_CALL_PASSAGES
     rows = [{"passages": passages[i : i + per_row], "hashes": doc_hashes[i : i + per_row].tolist()}
             for i in range(0, len(passages), per_row)]
     if not rows:

@@ -37,7 +37,7 @@ from pairmine.operators.read import InputError
 from pairmine.pipeline.config import ConfigError, NegativesConfig, run_token_limit
 from pairmine.pipeline.inputs import PoolSpec, Shard, check_parquet_shards, discover_shards, shard_pool
 from pairmine.pipeline.mine import (
-    MineResult, Progress, _load_pool, _shard_dict, check_model, model_id, new_run_id, result_config,
+    EMBED_CALL_PASSAGES, MineResult, Progress, _load_pool, _shard_dict, check_model, model_id, new_run_id, result_config,
 )
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
 from pairmine.pipeline.ray_adapter import Stage, configure_data, init_ray, plan_for, run_remote
@@ -213,17 +213,10 @@ def _make_embed(cfg: NegativesConfig, threads: int, device: str, known_ref=None)
     from pairmine.operators.negatives import EmbedPairVectors
 
     e = cfg.embed
-    known = partial(_load_known, known_ref) if known_ref is not None else None
+    known = partial(_load_pool, known_ref) if known_ref is not None else None  # zero-copy (keys, rows, vectors)
     return EmbedPairVectors(cfg.resolved_query_prefix(), known, model=e.model, passage_prefix=cfg.resolved_prefix(),
                             max_length=e.max_length, batch_size=e.batch_size, dtype=e.dtype, device=device,
                             threads=threads, trust_remote_code=e.trust_remote_code)
-
-
-def _load_known(known_ref):
-    """The corpus vectors as an Embedder's ``known`` lookup: (keys sorted, rows, corpus vectors)."""
-    import ray
-
-    return ray.get(known_ref)  # the vectors zero-copy from the node's object store
 
 
 def _make_corpus_embed(cfg: NegativesConfig, threads: int, device: str):
@@ -252,7 +245,7 @@ class _ChunkCorpus:
     (``passages`` list<string>, ``hashes`` list<int64>: the hash of each passage's document id), every usable
     passage of those shards (:func:`pipeline.inputs.shard_pool` with a pool as large as the corpus)."""
 
-    per_row = 1024  # passages per embed call: one progress step, many forward batches
+    per_row = EMBED_CALL_PASSAGES
 
     def __init__(self, shards: list[Shard], text_column: str, id_column: str, spec: PoolSpec, storage):
         self.shards, self.text_column, self.id_column, self.spec, self.storage = (shards, text_column, id_column,
@@ -377,7 +370,7 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
     object store spills to disk).
 
     Returns:
-        per shard, in corpus-row order: ``{"ref": ObjectRef of the shard (index, hashes, texts), "offset": its first
+        per shard, in corpus-row order (none for a corpus without a usable passage): ``{"ref": ObjectRef of the shard (index, hashes, texts), "offset": its first
         global corpus row, "passages", "index": description, "recall", "memory": bytes an actor holding it needs,
         "known": ObjectRef of the shard's ``known`` lookup (one shard only) or None}``.
 
@@ -407,13 +400,13 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
     blocks = [b for b in blocks if b[1] > 0]
     total = sum(size for _, _, size in blocks)
     wanted = n.index_shards or max(1, math.ceil(total / (n.index_shard_mb * 2 ** 20)))
-    counts = ray.get([submit(_passages_in_block, (ref,), num_cpus=light) for ref, _, _ in blocks])
+    counts = ray.get(submit(_passages_in_block, [(ref,) for ref, _, _ in blocks], num_cpus=light))
     built = []
     for part in split_passages(counts, wanted) if sum(counts) else []:
-        refs = submit(build_index_shard, (n.index, n.nprobe, n.ef_search, n.depth, n.recall_probes,
-                                          cfg.resolved_prefix() if wanted == 1 else None,
-                                          [(lo, hi) for _, lo, hi in part], *[blocks[i][0] for i, _, _ in part]),
-                      num_returns=3)
+        refs = submit(build_index_shard, [(n.index, n.nprobe, n.ef_search, n.depth, n.recall_probes,
+                                           cfg.resolved_prefix() if wanted == 1 else None,
+                                           [(lo, hi) for _, lo, hi in part], *[blocks[i][0] for i, _, _ in part])],
+                      num_returns=3)[0]
         share = sum((hi - lo) / max(counts[i], 1) * blocks[i][2] for i, lo, hi in part)  # bytes of the slices
         built.append((refs, int(share)))
     blocks.clear()  # the tasks hold the blocks they need; the rest can leave the object store
@@ -425,8 +418,7 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
         offset += info["passages"]
     if len(shards) != wanted:
         log.info("negatives.index_shards: %d asked, %d built (one per corpus passage at most)", wanted, len(shards))
-    return shards or [{"ref": None, "offset": 0, "passages": 0, "index": "", "recall": None, "memory": 0,
-                       "known": None}]
+    return shards
 
 
 def negatives(cfg: NegativesConfig) -> MineResult:

@@ -441,8 +441,7 @@ def run_remote(fn: Callable, args_list: list[tuple], num_cpus: float = 1.0) -> l
     """Run ``fn(*args)`` for every args tuple as Ray tasks; results in input order."""
     import ray
 
-    remote = ray.remote(num_cpus=num_cpus)(fn)
-    return ray.get([remote.remote(*a) for a in args_list])
+    return ray.get(submit(fn, args_list, num_cpus=num_cpus))
 
 
 def iter_block_refs(ds):
@@ -455,15 +454,14 @@ def iter_block_refs(ds):
             yield ref, int(meta.num_rows or 0), int(meta.size_bytes or 0)
 
 
-def submit(fn: Callable, args: tuple, num_returns: int = 1, num_cpus: float = 1.0, memory: int = 0):
-    """``fn(*args)`` as one Ray task; returns its ObjectRef(s) without waiting (ObjectRefs among ``args`` arrive as
-    their values)."""
+def submit(fn: Callable, args_list: list[tuple], num_returns: int = 1, num_cpus: float = 1.0) -> list:
+    """``fn(*args)`` as a Ray task for every args tuple (``fn`` exported once); their ObjectRefs (a list of
+    ``num_returns`` refs per task when it is above 1), in input order, without waiting. ObjectRefs among the args
+    arrive as their values."""
     import ray
 
-    opts: dict[str, Any] = dict(num_returns=num_returns, num_cpus=num_cpus)
-    if memory:
-        opts["memory"] = int(memory)
-    return ray.remote(fn).options(**opts).remote(*args)
+    remote = ray.remote(fn).options(num_returns=num_returns, num_cpus=num_cpus)
+    return [remote.remote(*args) for args in args_list]
 
 
 def stage_figures(ds, prefix: str = "") -> list[dict]:
