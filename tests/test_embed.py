@@ -3,8 +3,10 @@
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
-from pairmine.operators.embed import Embedder, length_batches, padded_length, vector_matrix, vectors_array
+from pairmine.operators.embed import (Embedder, length_batches, padded_length, pick_dtype, vector_matrix,
+                                     vectors_array)
 
 SENTENCES = [
     "A man is playing a guitar.",
@@ -40,6 +42,16 @@ def test_bf16_autocast_stays_close_to_fp32(fp32):
     bf16 = Embedder(dtype="bfloat16", device="cpu")
     cos = np.sum(bf16.encode(SENTENCES) * fp32.encode(SENTENCES), axis=1)
     assert cos.min() > 0.999
+
+
+def test_auto_dtype_is_bf16_only_on_cpus_with_amx():
+    # AVX512-BF16 without AMX ran bf16 autocast at 0.70-0.79x of fp32 (pick_dtype's docstring): fp32 there.
+    assert pick_dtype("auto", "cpu", {"avx512_bf16": True, "amx_bf16": False}) == "float32"
+    assert pick_dtype("auto", "cpu", {"avx512_bf16": True, "amx_bf16": True, "amx_tile": True}) == "bfloat16"
+    assert pick_dtype("auto", "cpu", {}) == "float32"
+    assert pick_dtype("bfloat16", "cpu", {}) == "bfloat16"  # an explicit request is kept
+    expected = "bfloat16" if torch.cpu.get_capabilities().get("amx_bf16") else "float32"
+    assert pick_dtype("auto", "cpu") == expected
 
 
 def test_prefix_changes_the_input(fp32):
