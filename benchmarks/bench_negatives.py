@@ -4,6 +4,7 @@ the approximate indexes against exact search. Prints figures and ratios.
 
     pip install -e '.[bench]'              # sentence-transformers' mining needs the datasets library
     python benchmarks/bench_negatives.py   # fiqa-pairs-beir (500 pairs, 1,237 passages), default model, CPU
+    python benchmarks/bench_negatives.py --skip-search --copies 4   # the corpus 5x larger: start-up a small share
 
 What is timed:
   end to end   pairmine negatives (a subprocess: Ray start, corpus embedding, index, streaming pass, commit) and
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -43,7 +45,7 @@ def fiqa_pairs() -> tuple[list[dict], list[dict]]:
     return pairs, [{"id": d["_id"], "text": d["text"]} for d in corpus if d["text"].strip()]
 
 
-def end_to_end(depth: int, rank_start: int, count: int) -> None:
+def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -52,10 +54,20 @@ def end_to_end(depth: int, rank_start: int, count: int) -> None:
     pairs, docs = fiqa_pairs()
     with tempfile.TemporaryDirectory() as tmp:
         pq.write_table(pa.Table.from_pylist(pairs), f"{tmp}/pairs.parquet")
-        pq.write_table(pa.Table.from_pylist(docs), f"{tmp}/corpus.parquet")
+        pq.write_table(pa.Table.from_pylist(docs), f"{tmp}/answers.parquet")
+        corpus = f"{tmp}/answers.parquet"
+        if copies:  # the answers plus copies with their sentences reshuffled (bench_embed's corpus maker)
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from bench_embed import reshuffled_corpus
+
+            os.makedirs(f"{tmp}/answers")
+            os.rename(corpus, f"{tmp}/answers/answers.parquet")
+            corpus = reshuffled_corpus(f"{tmp}/answers", copies, f"{tmp}/corpus")
+            docs = pa.concat_tables([pq.read_table(f) for f in sorted(Path(corpus).glob("*.parquet"))]).to_pylist()
+            docs = [d for d in docs if d["text"].strip()]
         t0 = time.time()
         proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "negatives", "--input",
-                               f"{tmp}/pairs.parquet", "--corpus", f"{tmp}/corpus.parquet", "--output", tmp,
+                               f"{tmp}/pairs.parquet", "--corpus", corpus, "--output", tmp,
                                "--run-id", "bench", "--set", "chunk.max_words=100000",
                                # one passage per document, as sentence-transformers is given the corpus
                                "--set", "chunk.fit_model_length=false", "--set",
@@ -133,13 +145,16 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=200_000, help="search part: corpus vectors (default 200,000)")
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--queries", type=int, default=5_000)
+    ap.add_argument("--copies", type=int, default=0,
+                    help="end to end: add this many copies of each answer with its sentences reshuffled to the "
+                         "corpus, so that start-up is a small share (default 0: the 1,236 answers alone)")
     ap.add_argument("--skip-end-to-end", action="store_true")
     ap.add_argument("--skip-search", action="store_true", help="only the end-to-end comparison")
     args = ap.parse_args()
     if not args.skip_search:
         search(args.n, args.dim, args.queries, args.depth, args.rank_start, args.count)
     if not args.skip_end_to_end:
-        end_to_end(args.depth, args.rank_start, args.count)
+        end_to_end(args.depth, args.rank_start, args.count, args.copies)
 
 
 if __name__ == "__main__":
