@@ -37,7 +37,8 @@ from pairmine.operators.read import InputError
 from pairmine.pipeline.config import ConfigError, NegativesConfig, run_token_limit
 from pairmine.pipeline.inputs import PoolSpec, Shard, check_parquet_shards, discover_shards, shard_pool
 from pairmine.pipeline.mine import (
-    EMBED_CALL_PASSAGES, MineResult, Progress, _load_pool, _shard_dict, check_model, model_id, new_run_id, result_config,
+    EMBED_CALL_PASSAGES, MineResult, Progress, _load_pool, _shard_dict, check_model, model_id, new_run_id,
+    result_config,
 )
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
 from pairmine.pipeline.ray_adapter import Stage, configure_data, init_ray, plan_for, run_remote
@@ -370,8 +371,9 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
     object store spills to disk).
 
     Returns:
-        per shard, in corpus-row order (none for a corpus without a usable passage): ``{"ref": ObjectRef of the shard (index, hashes, texts), "offset": its first
-        global corpus row, "passages", "index": description, "recall", "memory": bytes an actor holding it needs,
+        per shard, in corpus-row order (none for a corpus without a usable passage): ``{"ref": ObjectRef of the
+        shard (index, hashes, texts), "offset": its first global corpus row, "passages", "index": description,
+        "recall", "memory": bytes an actor holding it needs,
         "known": ObjectRef of the shard's ``known`` lookup (one shard only) or None}``.
 
     Raises:
