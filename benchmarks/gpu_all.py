@@ -1,10 +1,11 @@
 """All GPU figures in one run, written to one JSON file (driven by benchmarks/gpu_all.sh; not a test).
 
     python benchmarks/gpu_all.py [--out gpu_all.json] [--parts embed,consistency,train,train_xtr,train_revela]
+    python benchmarks/gpu_all.py --parts negatives --out gpu_negatives.json   # the optional sixth part
     python benchmarks/gpu_all.py --cpu-smoke --out /tmp/smoke.json     # the same code on CPU with tiny sizes
 
-Five parts, each in its own process (a part that crashes, runs out of memory or passes its time limit is recorded
-as failed with the tail of its output; the others still run) and each bounded in time:
+Five parts (and a sixth on request), each in its own process (a part that crashes, runs out of memory or passes its
+time limit is recorded as failed with the tail of its output; the others still run) and each bounded in time:
 
   embed        passages/s of pairmine's own Embedder (operators/embed.py: tokenizer, one padded length per forward
                batch, mean pooling, L2 norm, vectors back to the host) for a BERT-base-sized encoder (hidden 768,
@@ -31,6 +32,9 @@ as failed with the tail of its output; the others still run) and each bounded in
                shape (hidden 896, 24 layers, 14 heads, 2 key/value heads, intermediate 4864) built from a Qwen2Config
                with random weights and the same tokenizer, LoRA rank 256 on both, 4 groups (20 passages) of <= 160
                tokens per step (the seed's 16 passages of 160 tokens); MFU from torch's FLOP counter only
+  negatives    (optional: --parts negatives; ~1 min) queries/s of the hard-negative search of one exact
+               1,000,000 x 768 shard, top 200: pairmine's torch engine on the GPU (TorchFlatSearch, 8,192 queries in
+               batches of 1,024) against faiss IndexFlatIP on the CPU (1,024 queries), and whether their lists agree
 
 Time on one H100/H200 (estimates, not yet measured on a GPU): driver and CUDA start ~10 s; embed ~1 min (building
 and saving the 110M-parameter model ~10 s; tokenising 16,384 passages of 300 words twice, as the Embedder does, ~15 s
@@ -87,6 +91,9 @@ SIZES = {
         "train_revela": {"batch": 4, "steps": 5, "max_length": 160, "dtype": "bfloat16", "token_count_groups": 400,
                          "lm": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
                                 "num_key_value_heads": 2, "intermediate_size": 4864}},
+
+        "negatives": {"shard": 1_000_000, "dim": 768, "queries": 8192, "faiss_queries": 1024, "depth": 200,
+                      "batch": 1024},
     },
     "cpu-smoke": {
         "model": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128},
@@ -99,11 +106,16 @@ SIZES = {
         "train_revela": {"batch": 2, "steps": 1, "max_length": 32, "dtype": "float32", "token_count_groups": 100,
                          "lm": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
                                 "num_key_value_heads": 2, "intermediate_size": 64}},
+
+        "negatives": {"shard": 20_000, "dim": 64, "queries": 256, "faiss_queries": 128, "depth": 200, "batch": 64},
     },
 }
-TIMEOUT_S = {"gpu": {"embed": 120, "consistency": 120, "train": 180, "train_xtr": 60, "train_revela": 110},
-             "cpu-smoke": {"embed": 120, "consistency": 120, "train": 120, "train_xtr": 120, "train_revela": 120}}
+TIMEOUT_S = {"gpu": {"embed": 120, "consistency": 120, "train": 180, "train_xtr": 60, "train_revela": 110,
+                     "negatives": 90},
+             "cpu-smoke": {"embed": 120, "consistency": 120, "train": 120, "train_xtr": 120, "train_revela": 120,
+                           "negatives": 120}}
 PARTS = ("embed", "consistency", "train", "train_xtr", "train_revela")
+OPTIONAL_PARTS = ("negatives",)  # not in the default run (its limits already sum to 590 s): --parts negatives
 OBJECTIVE = {"train": "xprt", "train_xtr": "xtr", "train_revela": "revela"}
 
 
@@ -221,6 +233,55 @@ def part_embed(sizes: dict, device: str, model_dir: Path) -> dict:
         "sizes": {**sizes["model"], "passages": len(texts), "tokens_per_passage": s["max_length"],
                   "batch_size": s["batch_size"], "forward_only_passages": s["forward_batches"] * s["batch_size"]},
         "timed_s": round(seconds, 3), "forward_only_timed_s": round(fwd_s, 3), "prepare_s": round(prep_s, 3),
+    }
+
+
+def part_negatives(sizes: dict, device: str) -> dict:
+    """The hard-negative search of one exact index shard: pairmine's torch engine on ``device``
+    (operators.negatives.TorchFlatSearch, what a GPU stage plan's search actors run) against faiss ``IndexFlatIP``
+    on the CPU (the engine everywhere else), queries/s of each at depth ``depth``, and how far their lists agree
+    on the queries both searched (same rows at every rank; largest score difference)."""
+    import faiss
+    import numpy as np
+    import torch
+
+    from pairmine.operators.negatives import TorchFlatSearch
+
+    s = sizes["negatives"]
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((s["shard"], s["dim"]), dtype=np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    q = x[rng.choice(s["shard"], s["queries"], replace=False)] + 0.1 * rng.standard_normal(
+        (s["queries"], s["dim"]), dtype=np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    flat = faiss.IndexFlatIP(s["dim"])
+    flat.add(x)
+    engine = TorchFlatSearch(x, device)
+    prep_s = time.perf_counter() - t0
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    engine.search(q[: s["batch"]], s["depth"])  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    found = [engine.search(q[i:i + s["batch"]], s["depth"]) for i in range(0, s["queries"], s["batch"])]
+    sync()
+    torch_s = time.perf_counter() - t0
+    t_scores, t_rows = np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
+    m = s["faiss_queries"]
+    t0 = time.perf_counter()
+    f_scores, f_rows = flat.search(q[:m], s["depth"])
+    faiss_s = time.perf_counter() - t0
+    same = t_rows[:m] == f_rows
+    return {
+        "queries_per_s": round(s["queries"] / torch_s, 2), "units": "queries/s",
+        "what": f"operators.negatives.TorchFlatSearch on {device}, top {s['depth']} of one exact shard, fp32",
+        "faiss_cpu_queries_per_s": round(m / faiss_s, 2), "faiss_threads": faiss.omp_get_max_threads(),
+        "torch_over_faiss_cpu": sig((s["queries"] / torch_s) / (m / faiss_s)),
+        "same_rows_at_every_rank_pct": sig(100.0 * float(same.all(axis=1).mean())),
+        "same_rows_pct": sig(100.0 * float(same.mean())),
+        "max_score_diff": sig(float(np.abs(t_scores[:m] - f_scores).max())),
+        "sizes": dict(s), "device": device,
+        "timed_s": round(torch_s, 3), "faiss_timed_s": round(faiss_s, 3), "prepare_s": round(prep_s, 3),
     }
 
 
@@ -346,7 +407,8 @@ def main() -> int:
     ap.add_argument("--out", default="", help="JSON file to write (default: $OUT/gpu_all.json if $OUT is set, "
                     "else ./gpu_all.json)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU (checks the script, not a GPU)")
-    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, from " + ",".join(PARTS + OPTIONAL_PARTS)
+                    + " (default: all but " + ",".join(OPTIONAL_PARTS) + ")")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="peak dense bf16 TFLOP/s for MFU (default: by "
                     "GPU name from PEAK_BF16_TFLOPS; a GPU not in it gives 'unknown')")
     ap.add_argument("--part", default="", help=argparse.SUPPRESS)  # internal: run one part in this process
@@ -363,6 +425,8 @@ def main() -> int:
         sys.path.insert(0, str(HERE))
         if args.part == "embed":
             result = part_embed(sizes, device, Path(args.model_dir))
+        elif args.part == "negatives":
+            result = part_negatives(sizes, device)
         elif args.part in OBJECTIVE:
             result = part_train(sizes, device, Path(args.model_dir), Path(args.work),
                                 args.train_batch or sizes[args.part]["batch"], args.part)
@@ -373,8 +437,8 @@ def main() -> int:
 
     out_path = Path(args.out or os.path.join(os.environ.get("OUT") or ".", "gpu_all.json"))
     parts = [p for p in args.parts.split(",") if p]
-    if set(parts) - set(PARTS):
-        ap.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}")
+    if set(parts) - set(PARTS + OPTIONAL_PARTS):
+        ap.error(f"--parts: unknown {sorted(set(parts) - set(PARTS + OPTIONAL_PARTS))}")
     t_start = time.perf_counter()
     env = gpu_env()
     if not args.cpu_smoke and not env.get("gpu"):
@@ -450,7 +514,8 @@ def main() -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     summary = {p: {k: report[p].get(k) for k in ("passages_per_s", "forward_only_passages_per_s", "queries_per_s",
-                                                 "groups_per_s", "mfu_pct", "mfu_counted_pct", "wall_s")
+                                                 "faiss_cpu_queries_per_s", "groups_per_s", "mfu_pct",
+                                                 "mfu_counted_pct", "wall_s")
                    if report[p].get(k) is not None} for p in parts}
     print(json.dumps(summary, indent=1))
     print(f"gpu_all: wrote {out_path} ({report['wall_s_total']} s{'' if report['ok'] else ', some parts FAILED'})")

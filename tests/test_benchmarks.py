@@ -51,3 +51,16 @@ def test_gpu_peak_table_by_device_name():
     assert mod.peak_bf16_tflops("NVIDIA A100-SXM4-80GB") == 312.0
     assert mod.peak_bf16_tflops("NVIDIA H100 PCIe") == 756.0
     assert mod.peak_bf16_tflops("Tesla T4") is None
+
+
+def test_gpu_all_negatives_part_on_cpu_finds_the_lists_of_faiss(tmp_path):
+    # The optional sixth part, smoke sizes: the torch engine (on the CPU here) and faiss IndexFlatIP agree.
+    out = tmp_path / "neg.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_all.py"), "--cpu-smoke", "--parts", "negatives",
+                        "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    n = json.loads(out.read_text())["negatives"]
+    assert n["ok"] is True and n["units"] == "queries/s" and n["device"] == "cpu"
+    assert n["queries_per_s"] > 0 and n["faiss_cpu_queries_per_s"] > 0 and n["torch_over_faiss_cpu"] > 0
+    assert n["sizes"]["shard"] == 20_000 and n["sizes"]["depth"] == 200
+    assert n["same_rows_pct"] >= 99.0 and n["max_score_diff"] < 1e-4
