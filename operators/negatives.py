@@ -221,7 +221,7 @@ def merge_candidates(ids_a: np.ndarray, scores_a: np.ndarray, ids_b: np.ndarray,
 class TorchFlatSearch:
     """Exact inner-product top-k with torch, for a GPU: the shard's vectors live on ``device`` and each query batch is
     scored against them a chunk of rows at a time (a running top-k, so the (queries x shard) score matrix is never
-    whole). Full fp32 (TF32 off), so its scores are those of faiss ``IndexFlatIP`` to float rounding. Used for an
+    whole; each chunk's top k by ``torch.topk``, then one stable sort of 2k per query). Full fp32 (TF32 off), so its scores are those of faiss ``IndexFlatIP`` to float rounding. Used for an
     exact index on CUDA: faiss's GPU build (``faiss-gpu-cu12``) and the CPU build (``faiss-cpu``) install the same
     ``faiss`` module and cannot live side by side, while torch with CUDA is there already.
 
@@ -255,9 +255,10 @@ class TorchFlatSearch:
                 best_i = torch.empty((m, 0), dtype=torch.int64, device=self.device)
                 for lo in range(0, self.ntotal, rows_per_chunk):
                     s = qt @ self.x[lo:lo + rows_per_chunk].T  # (m, chunk)
-                    i = torch.arange(lo, lo + s.shape[1], device=self.device).expand(m, -1)
+                    s, i = self._chunk_top(s, lo, min(k_eff, s.shape[1]))
                     s, i = torch.cat([best_s, s], 1), torch.cat([best_i, i], 1)
-                    # stable sort by score descending keeps the lower row first among equal scores
+                    # stable sort by score descending keeps the lower row first among equal scores (the earlier
+                    # chunks' rows are lower and come first)
                     order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k_eff]
                     best_s, best_i = torch.gather(s, 1, order), torch.gather(i, 1, order)
                 scores, rows = best_s.cpu().numpy(), best_i.cpu().numpy()
@@ -267,6 +268,20 @@ class TorchFlatSearch:
             scores = np.pad(scores, ((0, 0), (0, k - k_eff)), constant_values=-np.inf)
             rows = np.pad(rows, ((0, 0), (0, k - k_eff)), constant_values=-1)
         return scores.astype(np.float32), rows
+
+    def _chunk_top(self, s, lo: int, k: int):
+        """One chunk's top ``k`` per query, (scores (m, k), rows (m, k)) in row order: ``torch.topk`` finds each
+        query's k-th score t; the entries >= t are the top k in row order unless a score equal to t repeats across
+        the cut, and then (rare: equal fp32 scores) the whole chunk is returned, for the caller's stable sort to cut."""
+        import torch
+
+        t = torch.topk(s, k, dim=1, sorted=False).values.min(dim=1, keepdim=True).values  # (m, 1)
+        keep = s >= t
+        rows = torch.arange(lo, lo + s.shape[1], device=s.device)
+        if bool((keep.sum(dim=1) == k).all()):
+            cols = torch.nonzero(keep)[:, 1].view(len(s), k)  # row-major: each query's columns ascending
+            return torch.gather(s, 1, cols), rows[cols]
+        return s, rows.expand(len(s), -1)
 
 
 class SearchShard:
