@@ -221,9 +221,10 @@ def merge_candidates(ids_a: np.ndarray, scores_a: np.ndarray, ids_b: np.ndarray,
 class TorchFlatSearch:
     """Exact inner-product top-k with torch, for a GPU: the shard's vectors live on ``device`` and each query batch is
     scored against them a chunk of rows at a time (a running top-k, so the (queries x shard) score matrix is never
-    whole; each chunk's top k by ``torch.topk``, then one stable sort of 2k per query). Full fp32 (TF32 off), so its scores are those of faiss ``IndexFlatIP`` to float rounding. Used for an
-    exact index on CUDA: faiss's GPU build (``faiss-gpu-cu12``) and the CPU build (``faiss-cpu``) install the same
-    ``faiss`` module and cannot live side by side, while torch with CUDA is there already.
+    whole; each chunk's top k by ``torch.topk``, then one stable sort of 2k per query). Full fp32 (TF32 off), so
+    its scores are those of faiss ``IndexFlatIP`` to float rounding. Used for an exact index on CUDA: faiss's GPU
+    build (``faiss-gpu-cu12``) and the CPU build (``faiss-cpu``) install the same ``faiss`` module and cannot live
+    side by side, while torch with CUDA is there already.
 
     Args:
         vectors: (n, dim) float32 unit vectors of the shard.
@@ -272,7 +273,8 @@ class TorchFlatSearch:
     def _chunk_top(self, s, lo: int, k: int):
         """One chunk's top ``k`` per query, (scores (m, k), rows (m, k)) in row order: ``torch.topk`` finds each
         query's k-th score t; the entries >= t are the top k in row order unless a score equal to t repeats across
-        the cut, and then (rare: equal fp32 scores) the whole chunk is returned, for the caller's stable sort to cut."""
+        the cut, and then (rare: equal fp32 scores) the whole chunk is returned, for the caller's stable sort to
+        cut."""
         import torch
 
         t = torch.topk(s, k, dim=1, sorted=False).values.min(dim=1, keepdim=True).values  # (m, 1)
