@@ -211,11 +211,30 @@ def merge_candidates(ids_a: np.ndarray, scores_a: np.ndarray, ids_b: np.ndarray,
     Returns:
         (positions (<= depth,) int64 into ``concat(a, b)``, best first; their scores float32).
     """
-    ids = np.concatenate([ids_a, ids_b]).astype(np.int64)
-    scores = np.concatenate([scores_a, scores_b]).astype(np.float32)
-    valid = np.flatnonzero(ids >= 0)
-    order = valid[np.lexsort((ids[valid], -scores[valid]))][:depth]
-    return order, scores[order]
+    order, valid = merge_candidate_lists(np.asarray(ids_a)[None], np.asarray(scores_a)[None], np.asarray(ids_b)[None],
+                                         np.asarray(scores_b)[None], depth)
+    order = order[0][valid[0]]
+    return order, np.concatenate([scores_a, scores_b]).astype(np.float32)[order]
+
+
+def merge_candidate_lists(ids_a: np.ndarray, scores_a: np.ndarray, ids_b: np.ndarray, scores_b: np.ndarray,
+                          depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`merge_candidates` for m queries at once, on lists padded with row -1 (faiss's padding).
+
+    Args:
+        ids_a, scores_a: (m, a) global corpus rows and cosines of the lists so far (a may be 0).
+        ids_b, scores_b: (m, b) the same from the next shard.
+        depth: most candidates kept.
+
+    Returns:
+        (positions (m, min(depth, a + b)) int64 into each row of ``concat(a, b, axis=1)``, best first (score
+        descending, then row ascending; padding last); valid (m, min(depth, a + b)) bool: False for padding).
+    """
+    ids = np.concatenate([ids_a, ids_b], axis=1).astype(np.int64)
+    scores = np.concatenate([scores_a, scores_b], axis=1).astype(np.float32)
+    padding = ids < 0
+    order = np.lexsort((ids, -scores, padding), axis=-1)[:, :depth]
+    return order, ~np.take_along_axis(padding, order, axis=1)
 
 
 class TorchFlatSearch:
@@ -333,25 +352,28 @@ class SearchShard:
                for c, t in CANDIDATE_COLUMNS.items()}
         old_ids, old_scores = old["cand_ids"][0].to_numpy(), old["cand_scores"][0].to_numpy()
         bounds = old["cand_ids"][1]
-        take, new_rows, offsets = [], [], np.zeros(n + 1, np.int64)  # indices into concat(old values, new values)
+        counts, src = np.zeros(n + 1, np.int64), np.zeros(0, np.int64)  # src: positions in concat(old, new values)
+        found_scores, found = np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int64)
         if len(rows):
             q = np.ascontiguousarray(_matrix(batch.column("query_vector"))[rows], np.float32)  # (usable, dim)
-            found_scores, found = index.search(q, min(self.depth, index.ntotal))
-            n_old, n_new = len(old_ids), 0
-            for k, r in enumerate(rows.tolist()):
-                local = found[k][found[k] >= 0]
-                lo, hi = int(bounds[r]), int(bounds[r + 1])
-                order, _ = merge_candidates(old_ids[lo:hi], old_scores[lo:hi], local + self.offset,
-                                            found_scores[k][: len(local)], self.depth)
-                take.append(np.where(order < hi - lo, lo + order, n_old + n_new + order - (hi - lo)))
-                new_rows.append(local)
-                n_new += len(local)
-                offsets[r + 1] = len(order)
-        offsets = np.cumsum(offsets)
-        take = pa.array(np.concatenate(take) if take else np.zeros(0, np.int64))
-        local = np.concatenate(new_rows) if new_rows else np.zeros(0, np.int64)
-        new = {"cand_ids": pa.array(local + self.offset), "cand_scores": pa.array(found_scores[found >= 0])
-               if len(rows) else pa.array([], pa.float32()),
+            found_scores, found = index.search(q, min(self.depth, index.ntotal))  # (usable, b), row -1: padding
+            # each usable row's old list, padded to the longest: its flat positions, rows and scores
+            lengths = (bounds[1:] - bounds[:-1])[rows]
+            a = int(lengths.max())
+            has = np.arange(a) < lengths[:, None]  # (usable, a)
+            old_pos = np.where(has, bounds[rows][:, None] + np.arange(a), 0)
+            ids_a = np.where(has, old_ids[old_pos] if a else 0, -1)
+            scores_a = np.where(has, old_scores[old_pos] if a else 0, -np.inf)
+            order, valid = merge_candidate_lists(ids_a, scores_a, np.where(found >= 0, found + self.offset, -1),
+                                                 found_scores, self.depth)
+            old_src = np.take_along_axis(old_pos, np.minimum(order, a - 1), axis=1) if a else 0
+            new_src = len(old_ids) + np.arange(len(rows))[:, None] * found.shape[1] + order - a
+            src = np.where(order < a, old_src, new_src)[valid]  # row by row, best first
+            counts[rows + 1] = valid.sum(axis=1)
+        offsets = np.cumsum(counts)
+        take = pa.array(src)
+        local = np.maximum(found, 0).ravel()  # this shard's rows, padding pointing at row 0 (never taken)
+        new = {"cand_ids": pa.array(local + self.offset), "cand_scores": pa.array(found_scores.ravel()),
                "cand_text_hashes": pa.array(text_hashes[local]), "cand_doc_hashes": pa.array(doc_hashes[local]),
                "cand_texts": texts.take(pa.array(local))}
         mask = pa.array(~ok)

@@ -138,7 +138,7 @@ def test_shard_by_shard_search_is_the_search_of_the_whole_corpus():
     assert found[:, :5].tolist() == np.argsort(-(q[:2] @ x[:5].T), axis=1).tolist()
     # Equal scores (each vector four times, so ties straddle chunk cuts and the top-k cut): the lower row first.
     tied = np.repeat(x[:60], 4, axis=0)  # rows 4j..4j+3 are x[j]
-    for chunk_mb in (1e-4, 4e-3, 256):  # 6, 250 and all rows per chunk of the 2 queries
+    for chunk_mb in (1e-4, 4e-3, 256):  # 13, 524 and all 240 rows per chunk for 2 queries
         scores, found = TorchFlatSearch(tied, "cpu", chunk_mb=chunk_mb).search(q[:2], 10)
         want = np.argsort(-(q[:2] @ tied.T), axis=1, kind="stable")[:, :10]
         assert found.tolist() == want.tolist(), chunk_mb
