@@ -54,15 +54,14 @@ def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0) -> None
     pairs, docs = fiqa_pairs()
     with tempfile.TemporaryDirectory() as tmp:
         pq.write_table(pa.Table.from_pylist(pairs), f"{tmp}/pairs.parquet")
-        pq.write_table(pa.Table.from_pylist(docs), f"{tmp}/answers.parquet")
-        corpus = f"{tmp}/answers.parquet"
+        corpus = f"{tmp}/answers"
+        os.makedirs(corpus)
+        pq.write_table(pa.Table.from_pylist(docs), f"{corpus}/answers.parquet")
         if copies:  # the answers plus copies with their sentences reshuffled (bench_embed's corpus maker)
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             from bench_embed import reshuffled_corpus
 
-            os.makedirs(f"{tmp}/answers")
-            os.rename(corpus, f"{tmp}/answers/answers.parquet")
-            corpus = reshuffled_corpus(f"{tmp}/answers", copies, f"{tmp}/corpus")
+            corpus = reshuffled_corpus(corpus, copies, f"{tmp}/corpus")
             docs = pa.concat_tables([pq.read_table(f) for f in sorted(Path(corpus).glob("*.parquet"))]).to_pylist()
             docs = [d for d in docs if d["text"].strip()]
         t0 = time.time()
