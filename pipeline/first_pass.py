@@ -134,6 +134,7 @@ class ScanParams:
     pool: PoolSpec | None
     storage: object
     duplicate_texts: bool = True  # find exact duplicate texts (input.skip_duplicate_texts)
+    sample_chunk: object = None  # pipeline.inputs.ChunkSpec: the sample comes back chunked (FirstPass.sample)
 
 
 def scan_units(shard: Shard, pieces: list[tuple[int, int]], params: ScanParams, indexes: list,
@@ -148,7 +149,8 @@ def scan_units(shard: Shard, pieces: list[tuple[int, int]], params: ScanParams, 
     for row_group, row_offset in pieces:
         t0, c0 = time.perf_counter(), time.process_time()
         scan = scan_shard(shard, params.text_column, params.id_column, params.sample_docs, params.seed, params.cut,
-                          params.pool, params.storage, row_group=row_group, hash_texts=params.duplicate_texts)
+                          params.pool, params.storage, row_group=row_group, hash_texts=params.duplicate_texts,
+                          sample_chunk=params.sample_chunk)
         valid = pc.is_valid(scan.ids).to_numpy(zero_copy_only=False)
         all_ids.append(scan.ids.filter(pa.array(valid)))
         base = np.int64(shard.index) << ROW_BITS
@@ -235,7 +237,8 @@ class FirstPass:
         duplicates: ids that repeat an earlier one (rows skipped as ``duplicate_id``), over the whole input.
         duplicate_texts: rows skipped as ``duplicate_text`` (their exact text is an earlier usable row's, and they
             are not a ``duplicate_id``), over the whole input; 0 when not looked for.
-        sample: the TF-IDF sample texts (the ``sample_docs`` lowest priorities over the input).
+        sample: the TF-IDF sample (the ``sample_docs`` lowest priorities over the input): texts, or each
+            document's passages (a tuple of str) when scanned with ``ScanParams.sample_chunk``.
         pool_passages, pool_hashes: the consistency pool candidates (``pool.size`` lowest priorities), hashes (n,).
         content_hashes: ``sha256:...`` of multipart-uploaded shards, by shard index.
         ranges: hash ranges (DuplicateIndex actors) used.
@@ -246,7 +249,7 @@ class FirstPass:
     rows_per_shard: dict[int, int]
     units: list[dict]
     duplicates: int
-    sample: list[str]
+    sample: list  # of str, or of tuple[str, ...] (see above)
     pool_passages: list[str] = field(default_factory=list)
     pool_hashes: np.ndarray | None = None
     content_hashes: dict[int, str] = field(default_factory=dict)

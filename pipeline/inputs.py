@@ -71,6 +71,17 @@ class PoolSpec:
     token_limit: object = None  # operators.chunk.TokenLimit | None
 
 
+@dataclass(frozen=True)
+class ChunkSpec:
+    """The run's chunking (``operators.chunk.chunk_text``'s arguments), for work that chunks documents outside the
+    chunk stage: the first pass chunks the TF-IDF sample with it on the workers (:func:`scan_shard`)."""
+
+    max_words: int = 120
+    min_words: int = 5
+    max_passages: int = 256
+    token_limit: object = None  # operators.chunk.TokenLimit | None
+
+
 @dataclass
 class ShardScan:
     """What the first pass learns about one shard (see :func:`scan_shard`)."""
@@ -78,7 +89,8 @@ class ShardScan:
     shard_index: int
     row_group_rows: list[int]  # rows per parquet row group; one entry (all rows) for JSONL
     ids: pa.Array  # string ids in row order (null where missing)
-    sample: list[tuple[float, str]] = field(default_factory=list)  # (priority, text) of the sampled documents
+    # (priority, text) of the sampled documents; (priority, passages: tuple of str) when scanned with a ChunkSpec
+    sample: list[tuple[float, str | tuple[str, ...]]] = field(default_factory=list)
     pool: list[tuple[float, int, str]] = field(default_factory=list)  # (priority, doc hash, passage) pool candidates
     content_sha256: str = ""  # "sha256:<hex>" of the whole file, for a multipart-uploaded object only (see below)
     # (rows, 2) int64 128-bit content hashes of the texts (text_hashes()), and which rows are usable (the read stage's
@@ -252,6 +264,7 @@ def text_hashes(texts: pa.Array) -> np.ndarray:
 def scan_shard(
     shard: Shard, text_column: str, id_column: str, sample_docs: int, seed: int, cut: float = 1.0,
     pool: PoolSpec | None = None, storage: Storage = LOCAL, row_group: int | None = None, hash_texts: bool = False,
+    sample_chunk: ChunkSpec | None = None,
 ) -> ShardScan:
     """First pass over one shard, or over one of its row groups (``row_group``: a parquet row group's index; None or
     -1: the whole file).
@@ -266,6 +279,10 @@ def scan_shard(
     (a second seeded priority) are chunked, each passage gets its own seeded priority, and the shard returns its
     lowest ``2 * size * (its share of the rows)`` passages, so the lowest ``size`` over all shards are a uniform,
     seeded sample of the input's passages.
+
+    With ``sample_chunk``, each sampled document comes back as its passages (a tuple of str, ``chunk_text`` with
+    those settings) instead of its text, so the driver does not chunk the TF-IDF sample itself; a document in both
+    the sample and the pool is chunked once when the two use the same settings.
 
     With ``hash_texts``, the scan also returns every text's content hash (:func:`text_hashes`) and which rows are
     usable, for the run-wide ``duplicate_text`` step of :mod:`pipeline.first_pass`.
@@ -308,8 +325,15 @@ def scan_shard(
     candidate = usable & (priority < cut)
     rows = np.flatnonzero(candidate)
     rows = rows[np.argsort(priority[rows], kind="stable")][:sample_docs]
-    sample = list(zip(priority[rows].tolist(), texts.take(pa.array(rows, pa.int64())).to_pylist()))
-    pool_candidates = _pool_candidates(piece, ids, texts, reasons, pool) if pool is not None and pool.size > 0 else []
+    chunked = _ChunkOnce()
+    sample_texts = texts.take(pa.array(rows, pa.int64())).to_pylist()
+    if sample_chunk is None:
+        sample = list(zip(priority[rows].tolist(), sample_texts))
+    else:
+        sample = [(p, chunked(row, text, sample_chunk))
+                  for p, row, text in zip(priority[rows].tolist(), rows.tolist(), sample_texts)]
+    pool_candidates = (_pool_candidates(piece, ids, texts, reasons, pool, chunked) if pool is not None and pool.size > 0
+                       else [])
     # A multipart object's ETag does not survive an upload of the same bytes: its content hash, recorded in the
     # manifest, lets --incremental recognise such a re-upload (computed here, on a worker, while the shard is read).
     first = row_group is None or row_group <= 0
@@ -325,8 +349,24 @@ def shard_pool(shard: Shard, text_column: str, id_column: str, pool: PoolSpec, s
     return scan_shard(shard, text_column, id_column, 0, 0, 1.0, pool, storage).pool
 
 
-def _pool_candidates(piece: list[int], ids: pa.Array, texts: pa.Array, reasons: pa.Array, spec: PoolSpec) -> list:
-    from pairmine.operators.chunk import chunk_text
+class _ChunkOnce:
+    """``chunk_text`` of one scan's documents, each (row, settings) chunked once: (passages,) tuple."""
+
+    def __init__(self):
+        self.done: dict[tuple, tuple[str, ...]] = {}
+
+    def __call__(self, row: int, text: str, spec) -> tuple[str, ...]:
+        from pairmine.operators.chunk import chunk_text
+
+        key = (row, spec.max_words, spec.min_words, spec.max_passages, spec.token_limit)
+        if key not in self.done:
+            self.done[key] = tuple(chunk_text(text, spec.max_words, spec.min_words, spec.max_passages,
+                                              spec.token_limit).passages)
+        return self.done[key]
+
+
+def _pool_candidates(piece: list[int], ids: pa.Array, texts: pa.Array, reasons: pa.Array, spec: PoolSpec,
+                     chunked: _ChunkOnce) -> list:
     from pairmine.operators.consistency import doc_hash
 
     rng = np.random.default_rng([spec.seed, *piece])
@@ -337,7 +377,7 @@ def _pool_candidates(piece: list[int], ids: pa.Array, texts: pa.Array, reasons: 
     candidates = []
     for row, text, doc_id in zip(rows.tolist(), texts.take(pa.array(rows, pa.int64())).to_pylist(),
                                  ids.take(pa.array(rows, pa.int64())).to_pylist()):
-        passages = chunk_text(text, spec.max_words, spec.min_words, spec.max_passages, spec.token_limit).passages
+        passages = chunked(row, text, spec)
         for p, priority in zip(passages, rng.random(len(passages)).tolist()):
             candidates.append((priority, doc_hash(p if spec.hash_by == "text" else doc_id), p))
     candidates.sort(key=lambda c: c[0])

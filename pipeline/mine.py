@@ -32,7 +32,7 @@ from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions  # no
 from pairmine.pipeline.config import ConfigError, MineConfig
 from pairmine.pipeline.first_pass import ScanParams, first_pass
 from pairmine.pipeline.inputs import (
-    PoolSpec, check_parquet_shards, content_sha256, discover_shards, is_multipart_etag, sample_cut,
+    ChunkSpec, PoolSpec, check_parquet_shards, content_sha256, discover_shards, is_multipart_etag, sample_cut,
 )
 from pairmine.pipeline.ray_adapter import (
     Stage, apply_stage, configure_data, format_stage_figures, init_ray, plan_for, stage_figures, watched,
@@ -471,21 +471,17 @@ def _select_shards(cfg: MineConfig, shards: list, storage, out: str, run_id: str
     return [dataclasses.replace(s, index=i) for i, s in enumerate(new)], lineage_id, settings
 
 
-def _fit_tfidf(cfg: MineConfig, sample: list[str]):
-    """The run's TF-IDF (IDF fitted on the first pass's seeded sample, chunked like the documents).
+def _fit_tfidf(cfg: MineConfig, passages: list[str]):
+    """The run's TF-IDF, its IDF fitted on the passages of the first pass's seeded sample of documents (chunked like
+    every document, on the workers: ``ScanParams.sample_chunk``).
 
     Returns:
         (CorpusTfidf, number of sample passages, a warning for the manifest or None). With no usable word in the
         whole sample (e.g. every document skipped) there are no IDF statistics: every word is unseen and weighs the
         same (idf 1), so lexical scores are term-frequency cosines; said in the log and the manifest.
     """
-    from pairmine.operators.chunk import chunk_text
     from pairmine.operators.related import EmptySampleError, fit_tfidf, unfitted_tfidf
 
-    limit = cfg.token_limit()
-    passages = [p for text in sample
-                for p in chunk_text(text, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages,
-                                    limit).passages]
     try:
         return fit_tfidf(passages, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf), len(passages), None
     except EmptySampleError as e:
@@ -597,9 +593,11 @@ def mine(cfg: MineConfig) -> MineResult:
                          ) if c.enabled else None
     first = first_pass(shards, layout, ScanParams(cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs,
                                                   cfg.tfidf.seed, sample_cut(cfg.tfidf.sample_docs, known_rows),
-                                                  pool_spec, storage, cfg.input.skip_duplicate_texts),
+                                                  pool_spec, storage, cfg.input.skip_duplicate_texts,
+                                                  ChunkSpec(cfg.chunk.max_words, cfg.chunk.min_words,
+                                                            cfg.chunk.max_passages, cfg.token_limit())),
                        f"{folder.staging}/duplicates")
-    tfidf, sample_passages, tfidf_note = _fit_tfidf(cfg, first.sample)
+    tfidf, sample_passages, tfidf_note = _fit_tfidf(cfg, [p for passages in first.sample for p in passages])
     phases["first_pass"] = time.time() - t0 - sum(phases.values())
     log.info(
         "first pass: %d documents in %d work unit(s), %d duplicate id(s) and %d duplicate text(s) under other ids "

@@ -106,6 +106,24 @@ def test_tfidf_sample_is_seeded_and_uniform_over_shards(sample_dir):
     assert sum(len(s.sample) for s in scans) < 4 * 50 and tfidf_sample(scans, 50) == a
 
 
+def test_the_sample_can_come_back_chunked_from_the_workers(sample_dir):
+    """With a ChunkSpec the scans return each sampled document's passages (chunk_text with those settings) in the
+    sample's order, so the driver does not chunk the TF-IDF sample; the pool candidates are unchanged."""
+    from pairmine.operators.chunk import chunk_text
+    from pairmine.pipeline.inputs import ChunkSpec, PoolSpec
+
+    shards = discover_shards(str(sample_dir))
+    pool = PoolSpec(300, 3, 0.5, 827)
+    spec = ChunkSpec(60, 5, 8)
+    plain = [scan_shard(s, "text", "id", 40, 7, 1.0, pool) for s in shards]
+    chunked = [scan_shard(s, "text", "id", 40, 7, 1.0, pool, sample_chunk=spec) for s in shards]
+    for a, b in zip(plain, chunked):
+        assert [p for p, _ in a.sample] == [p for p, _ in b.sample] and len(a.sample) == 40
+        assert [tuple(chunk_text(t, 60, 5, 8).passages) for _, t in a.sample] == [ps for _, ps in b.sample]
+        assert a.pool == b.pool and len(a.pool) > 0
+    assert all(isinstance(ps, tuple) and len(ps) <= 8 for s in chunked for _, ps in s.sample)
+
+
 def test_duplicates_inside_one_shard_and_null_ids(tmp_path):
     pq.write_table(pa.table({"id": ["a", "b", "a", None, None, "b", "a"], "text": [f"t{i}" for i in range(7)]}),
                    tmp_path / "x.parquet")
