@@ -350,7 +350,7 @@ def shard_pool(shard: Shard, text_column: str, id_column: str, pool: PoolSpec, s
 
 
 class _ChunkOnce:
-    """``chunk_text`` of one scan's documents, each (row, settings) chunked once: (passages,) tuple."""
+    """``chunk_text`` of one scan's documents, each (row, settings) chunked once; returns the passages as a tuple."""
 
     def __init__(self):
         self.done: dict[tuple, tuple[str, ...]] = {}
