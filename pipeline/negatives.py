@@ -41,7 +41,9 @@ from pairmine.pipeline.mine import (
     result_config,
 )
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
-from pairmine.pipeline.ray_adapter import Stage, configure_data, init_ray, plan_for, run_remote
+from pairmine.pipeline.ray_adapter import (
+    Stage, configure_data, format_stage_figures, init_ray, plan_for, run_remote, stage_figures,
+)
 from pairmine.pipeline.run_folder import Parts, RunFolder, unit_key
 
 log = logging.getLogger("pairmine")
@@ -364,11 +366,12 @@ def check_teacher(path: str) -> None:
 
 def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_column: str, id_column: str,
                        spec: PoolSpec, threads: int, device: str, actors: int, embed_cpus: float, embed_gpus: float,
-                       light: float) -> list[dict]:
+                       light: float, figures_out: list | None = None) -> list[dict]:
     """Chunk and embed the corpus on Ray and build its index in ``negatives.index_shards`` shards (0: as many as
     ``negatives.index_shard_mb`` of embedded blocks per shard asks), each by a Ray task from the embedded blocks;
     the driver holds only object refs and per-shard counts, so the corpus may be larger than its memory (Ray's
-    object store spills to disk).
+    object store spills to disk). With ``figures_out``, the corpus pass's per-stage figures
+    (:func:`pipeline.ray_adapter.stage_figures`, stages named "corpus: ...") are appended to it.
 
     Returns:
         per shard, in corpus-row order (none for a corpus without a usable passage): ``{"ref": ObjectRef of the
@@ -399,6 +402,8 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
         blocks.append(item)
         if (i + 1) % 20 == 0:
             log.info("corpus: %s", done())
+    if figures_out is not None:
+        figures_out.extend(stage_figures(ds, "corpus: "))
     blocks = [b for b in blocks if b[1] > 0]
     total = sum(size for _, _, size in blocks)
     wanted = n.index_shards or max(1, math.ceil(total / (n.index_shard_mb * 2 ** 20)))
@@ -487,8 +492,11 @@ def negatives(cfg: NegativesConfig) -> MineResult:
 
     # ---- corpus: chunk, embed, index (no passage passes through the driver) -----------------------------------------
     t_corpus = time.time()
+    phases = {"start": t_corpus - t0}  # wall seconds of each phase of the run (stats.json "phases_s")
+    figures: list[dict] = []  # per-stage wall/busy/CPU seconds and rows, in pipeline order (stats.json "stages")
     index_shards = build_corpus_index(cfg, corpus_shards, text_column, id_column, spec, threads, device, actors,
-                                      embed_cpus, embed_gpus, light)
+                                      embed_cpus, embed_gpus, light, figures)
+    phases["corpus"] = time.time() - t_corpus
     corpus_size = sum(s["passages"] for s in index_shards)
     if corpus_size == 0:
         raise InputError(f"negatives.corpus {n.corpus}: no usable passage (empty or skipped documents only)")
@@ -535,12 +543,14 @@ def negatives(cfg: NegativesConfig) -> MineResult:
                             num_cpus=embed_cpus, num_gpus=embed_gpus))
     stages.append(Stage("write_negatives", partial(_make_write, folder.staging, run_id, model_id(cfg), n.teacher,
                                                    storage), batch_size=batch, num_cpus=light))
+    t_pairs = time.time()
     if uncommitted:
         hint = f"the shards committed so far stay in {run_dir}: run the same command with --run-id {run_id} to resume"
         folder.stream(stages, [_shard_dict(s) | {"index": s.index} for s in uncommitted], todo,
                       unit_rows,
                       Progress(sum(unit_rows[unit_key(u)] for u in todo), unit="pairs", counted="negatives"),
-                      cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, hint, None, light)
+                      cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, hint, figures, light)
+        phases["pairs_pass"] = time.time() - t_pairs
 
     # ---- commit -----------------------------------------------------------------------------------------------------
     records = folder.records
@@ -570,6 +580,8 @@ def negatives(cfg: NegativesConfig) -> MineResult:
         "units_resumed": len(units) - len(todo),
         "elapsed_s": round(elapsed, 2),
         "pairs_per_s": round(pairs_in / elapsed, 3) if elapsed else 0.0,
+        "phases_s": {k: round(v, 2) for k, v in phases.items()},
+        "stages": figures,
     }
     stats["reconciled"] = pairs_in == pairs_out + sum(skipped.values()) == expected
     in_parts = sum(records[s.index]["rows"] for s in shards)
@@ -595,4 +607,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     log.info("done in %.1f s: %d negatives for %d pairs (%.2f per pair; ranks %d-%d of %d retrieved from %d corpus "
              "passages); %d skipped -> %s", elapsed, kept, pairs_out, stats["negatives_per_pair"], n.rank_start,
              n.rank_end, n.depth, corpus_size, sum(skipped.values()), run_dir)
+    log.info("phases (wall s): %s", ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in phases.items()))
+    for line in format_stage_figures(figures):
+        log.info("stage figures: %s", line)
     return MineResult(run_dir=run_dir, stats=stats)

@@ -223,6 +223,16 @@ def test_negatives_of_a_mine_run_with_a_teacher(tiny_run, tiny_teacher, teacher_
         assert len(r["negative_teacher_scores"]) == 7 and r["teacher"] == tiny_teacher
     dropped = stats["negatives_dropped"]
     assert stats["candidates_retrieved"] == stats["negatives"] + sum(dropped.values())
+    # Where the time went: phases and Ray Data's per-stage figures, corpus pass first, then the pairs pass.
+    assert list(stats["phases_s"]) == ["start", "corpus", "pairs_pass"]
+    assert sum(stats["phases_s"].values()) <= stats["elapsed_s"] + 0.05
+    names = [f["stage"] for f in stats["stages"]]
+    assert names[0].startswith("corpus: ") and any("embed" in n for n in names if n.startswith("corpus: "))
+    pairs_stages = [f for f in stats["stages"] if not f["stage"].startswith("corpus: ")]
+    assert any("teacher" in f["stage"] for f in pairs_stages)
+    assert pairs_stages[-1]["stage"].endswith("write_negatives") and pairs_stages[0]["rows_out"] == len(rows)
+    assert all(f["wall_s"] >= 0 and f["tasks"] > 0 for f in stats["stages"])
+    assert "stage figures: " in proc.stderr and "phases (wall s): start " in proc.stderr
     assert dropped["positive_duplicate"] > 0  # the positive itself is in the corpus (when retrieved)
     assert dropped["same_document"] > 0 and dropped["before_window"] > 0
     # The stored teacher scores are the cross-encoder's logits for exactly those pairs.
