@@ -35,7 +35,7 @@ from pairmine.pipeline.inputs import (
     ChunkSpec, PoolSpec, check_parquet_shards, content_sha256, discover_shards, is_multipart_etag, sample_cut,
 )
 from pairmine.pipeline.ray_adapter import (
-    Stage, apply_stage, configure_data, format_stage_figures, init_ray, plan_for, stage_figures, watched,
+    Stage, apply_stage, configure_data, init_ray, plan_for, stage_figures, timing_lines, watched,
 )
 from pairmine.pipeline.run_folder import (  # noqa: F401 - RunExistsError, merge_stats, write_json re-exported
     Parts, RunExistsError, RunFolder, merge_stats, read_json, unit_key, write_json,
@@ -700,12 +700,11 @@ def _log_done(cfg: MineConfig, stats: dict, pool_size: int | None, run_dir: str)
             "processed documents have groups, %.2f groups per document with groups, %.1f%% of passages covered",
             b["groups"], b["docs_with_groups_pct"], b["groups_per_doc"], b["passage_coverage_pct"],
         )
-    if stats.get("phases_s"):
-        log.info("phases (wall s): %s; passages embedded in the main pass %d, taken from the pool's pass %d",
-                 ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in stats["phases_s"].items()),
-                 stats["passages"] - stats.get("passages_vector_reused", 0), stats.get("passages_vector_reused", 0))
-    for line in format_stage_figures(stats["stages"]):
-        log.info("stage figures: %s", line)
+    reused = stats.get("passages_vector_reused", 0)
+    for line in timing_lines(stats.get("phases_s") or {}, stats["stages"],
+                             f"passages embedded in the main pass {stats['passages'] - reused}, taken from the pool's "
+                             f"pass {reused}"):
+        log.info("%s", line)
     if stats["passages_token_truncated"]:
         log.warning("%d of %d passages were longer than embed.max_length = %d tokens: the model saw only their start "
                     "(passages_token_truncated in stats.json); set chunk.fit_model_length=true, lower "

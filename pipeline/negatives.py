@@ -42,7 +42,7 @@ from pairmine.pipeline.mine import (
 )
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
 from pairmine.pipeline.ray_adapter import (
-    Stage, configure_data, format_stage_figures, init_ray, plan_for, run_remote, stage_figures,
+    Stage, configure_data, init_ray, plan_for, run_remote, stage_figures, timing_lines,
 )
 from pairmine.pipeline.run_folder import Parts, RunFolder, unit_key
 
@@ -607,7 +607,6 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     log.info("done in %.1f s: %d negatives for %d pairs (%.2f per pair; ranks %d-%d of %d retrieved from %d corpus "
              "passages); %d skipped -> %s", elapsed, kept, pairs_out, stats["negatives_per_pair"], n.rank_start,
              n.rank_end, n.depth, corpus_size, sum(skipped.values()), run_dir)
-    log.info("phases (wall s): %s", ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in phases.items()))
-    for line in format_stage_figures(figures):
-        log.info("stage figures: %s", line)
+    for line in timing_lines(stats["phases_s"], figures):
+        log.info("%s", line)
     return MineResult(run_dir=run_dir, stats=stats)

@@ -502,6 +502,16 @@ def stage_figures(ds, prefix: str = "") -> list[dict]:
     return out
 
 
+def timing_lines(phases: dict[str, float], figures: list[dict], note: str = "") -> list[str]:
+    """A run's final timing log lines: ``phases (wall s): start 6.0, first pass 12.9, ...[; note]`` (none when
+    ``phases`` is empty), then ``stage figures: ...``, the table of :func:`format_stage_figures`."""
+    lines = []
+    if phases:
+        walls = ", ".join(f"{name.replace('_', ' ')} {seconds:.1f}" for name, seconds in phases.items())
+        lines.append(f"phases (wall s): {walls}" + (f"; {note}" if note else ""))
+    return lines + [f"stage figures: {line}" for line in format_stage_figures(figures)]
+
+
 def format_stage_figures(figures: list[dict]) -> list[str]:
     """Lines of a small fixed-width table of :func:`stage_figures` (for the log)."""
     if not figures:
