@@ -109,12 +109,11 @@ def embed_documents(texts: list[str], cfg, embedder=None) -> list[EmbeddedDoc]:
         One :class:`EmbeddedDoc` per text, in order.
     """
     from pairmine.operators.centrality import centrality
-    from pairmine.operators.chunk import chunk_text
     from pairmine.operators.related import EmptySampleError, fit_tfidf, mine_groups, unfitted_tfidf
     from pairmine.pipeline.evaluate import make_embedder
 
-    c, r = cfg.chunk, cfg.related
-    chunked = [chunk_text(t, c.max_words, c.min_words, c.max_passages, cfg.token_limit()).passages for t in texts]
+    r, spec = cfg.related, cfg.chunk_spec()
+    chunked = [spec.chunk(t).passages for t in texts]
     flat = [p for doc in chunked for p in doc]
     try:
         tfidf = fit_tfidf(flat, cfg.tfidf.max_features, cfg.tfidf.sublinear_tf)

@@ -269,6 +269,13 @@ class MineConfig(Sections):
         d = self.model_description()
         return f"{d.threshold_source} ({d.source})" if d.threshold_source else d.source
 
+    def chunk_spec(self):
+        """The run's chunking as a :class:`pipeline.inputs.ChunkSpec` (``chunk.max_words``, ``chunk.min_words``,
+        ``chunk.max_passages`` and :meth:`token_limit`): what every chunking outside the chunk stage uses."""
+        from pairmine.pipeline.inputs import ChunkSpec
+
+        return ChunkSpec(self.chunk.max_words, self.chunk.min_words, self.chunk.max_passages, self.token_limit())
+
     def token_limit(self):
         """The :class:`operators.chunk.TokenLimit` every chunking of this config uses (the embedding model's
         tokenizer, ``embed.max_length`` and the resolved passage prefix), or None when ``chunk.fit_model_length`` is

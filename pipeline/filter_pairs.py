@@ -175,8 +175,7 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
     if pool_shards is None:
         candidates, pool_source = [cands for _, cands in plans], "the input pairs' passages"
     else:
-        spec = PoolSpec(c.pool_size, c.seed, 1.0, 0, cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages,
-                        hash_by="text", token_limit=cfg.token_limit())
+        spec = PoolSpec(c.pool_size, c.seed, 1.0, 0, cfg.chunk_spec(), hash_by="text")
         candidates = run_remote(shard_pool, [(s, cfg.input.text_column, cfg.input.id_column, spec, storage)
                                              for s in pool_shards])
         pool_source = c.pool_path

@@ -45,6 +45,24 @@ class Shard:
         return f"{self.path}|{self.size}|{self.fingerprint}"
 
 
+@dataclass(frozen=True)
+class ChunkSpec:
+    """The run's chunking (``operators.chunk.chunk_text``'s arguments, from ``MineConfig.chunk_spec``), for work
+    that chunks documents outside the chunk stage: the first pass chunks the TF-IDF sample and the pool candidates
+    with it on the workers (:func:`scan_shard`)."""
+
+    max_words: int = 120
+    min_words: int = 5
+    max_passages: int = 256
+    token_limit: object = None  # operators.chunk.TokenLimit | None
+
+    def chunk(self, text: str):
+        """``chunk_text(text, ...)`` with these settings: an ``operators.chunk.Chunked``."""
+        from pairmine.operators.chunk import chunk_text
+
+        return chunk_text(text, self.max_words, self.min_words, self.max_passages, self.token_limit)
+
+
 @dataclass
 class PoolSpec:
     """How the first pass samples the consistency filter's pool of random passages (see :func:`scan_shard`).
@@ -54,8 +72,7 @@ class PoolSpec:
         seed: pool seed: same seed and input, same pool.
         doc_cut: documents whose pool priority is below this are chunked into candidates.
         known_rows: rows of the input known from parquet footers (0: unknown), to size each shard's share.
-        max_words, min_words, max_passages, token_limit: the chunking of the run (pool passages are chunked like
-            all others; ``operators.chunk.chunk_text``).
+        chunk: the chunking of the run (pool passages are chunked like all others).
         hash_by: "doc" (a pool passage is known by its document id: mine excludes the group's own document) or
             "text" (by its own text: filter-pairs excludes pool passages equal to the pair's passage).
     """
@@ -64,22 +81,8 @@ class PoolSpec:
     seed: int
     doc_cut: float
     known_rows: int
-    max_words: int = 120
-    min_words: int = 5
-    max_passages: int = 256
+    chunk: ChunkSpec = ChunkSpec()
     hash_by: str = "doc"
-    token_limit: object = None  # operators.chunk.TokenLimit | None
-
-
-@dataclass(frozen=True)
-class ChunkSpec:
-    """The run's chunking (``operators.chunk.chunk_text``'s arguments), for work that chunks documents outside the
-    chunk stage: the first pass chunks the TF-IDF sample with it on the workers (:func:`scan_shard`)."""
-
-    max_words: int = 120
-    min_words: int = 5
-    max_passages: int = 256
-    token_limit: object = None  # operators.chunk.TokenLimit | None
 
 
 @dataclass
@@ -355,13 +358,10 @@ class _ChunkOnce:
     def __init__(self):
         self.done: dict[tuple, tuple[str, ...]] = {}
 
-    def __call__(self, row: int, text: str, spec) -> tuple[str, ...]:
-        from pairmine.operators.chunk import chunk_text
-
-        key = (row, spec.max_words, spec.min_words, spec.max_passages, spec.token_limit)
+    def __call__(self, row: int, text: str, spec: ChunkSpec) -> tuple[str, ...]:
+        key = (row, spec)
         if key not in self.done:
-            self.done[key] = tuple(chunk_text(text, spec.max_words, spec.min_words, spec.max_passages,
-                                              spec.token_limit).passages)
+            self.done[key] = tuple(spec.chunk(text).passages)
         return self.done[key]
 
 
@@ -377,7 +377,7 @@ def _pool_candidates(piece: list[int], ids: pa.Array, texts: pa.Array, reasons: 
     candidates = []
     for row, text, doc_id in zip(rows.tolist(), texts.take(pa.array(rows, pa.int64())).to_pylist(),
                                  ids.take(pa.array(rows, pa.int64())).to_pylist()):
-        passages = chunked(row, text, spec)
+        passages = chunked(row, text, spec.chunk)
         for p, priority in zip(passages, rng.random(len(passages)).tolist()):
             candidates.append((priority, doc_hash(p if spec.hash_by == "text" else doc_id), p))
     candidates.sort(key=lambda c: c[0])

@@ -32,7 +32,7 @@ from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions  # no
 from pairmine.pipeline.config import ConfigError, MineConfig
 from pairmine.pipeline.first_pass import ScanParams, first_pass
 from pairmine.pipeline.inputs import (
-    ChunkSpec, PoolSpec, check_parquet_shards, content_sha256, discover_shards, is_multipart_etag, sample_cut,
+    PoolSpec, check_parquet_shards, content_sha256, discover_shards, is_multipart_etag, sample_cut,
 )
 from pairmine.pipeline.ray_adapter import (
     Stage, apply_stage, configure_data, init_ray, plan_for, stage_figures, timing_lines, watched,
@@ -588,14 +588,12 @@ def mine(cfg: MineConfig) -> MineResult:
     # A resumed run repeats it over all shards: duplicates, the IDF and the pool depend on the whole input, and
     # the pass is seeded, so it gives the first attempt's results again. One task per row group; ids go to
     # hash-range indexes on the workers, never to the driver (pipeline.first_pass).
-    pool_spec = PoolSpec(c.pool_size, c.seed, sample_cut(c.pool_size, known_rows), known_rows, cfg.chunk.max_words,
-                         cfg.chunk.min_words, cfg.chunk.max_passages, token_limit=cfg.token_limit()
+    chunk_spec = cfg.chunk_spec()
+    pool_spec = PoolSpec(c.pool_size, c.seed, sample_cut(c.pool_size, known_rows), known_rows, chunk_spec
                          ) if c.enabled else None
     first = first_pass(shards, layout, ScanParams(cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs,
                                                   cfg.tfidf.seed, sample_cut(cfg.tfidf.sample_docs, known_rows),
-                                                  pool_spec, storage, cfg.input.skip_duplicate_texts,
-                                                  ChunkSpec(cfg.chunk.max_words, cfg.chunk.min_words,
-                                                            cfg.chunk.max_passages, cfg.token_limit())),
+                                                  pool_spec, storage, cfg.input.skip_duplicate_texts, chunk_spec),
                        f"{folder.staging}/duplicates")
     tfidf, sample_passages, tfidf_note = _fit_tfidf(cfg, [p for passages in first.sample for p in passages])
     phases["first_pass"] = time.time() - t0 - sum(phases.values())
