@@ -14,7 +14,9 @@ reshuffled into a new text under a new id (seeded), so that start-up is a small 
                       the main pass embeds every passage itself
 and the ratios the project tracks (issue 15 item 3): the Embedder over sentence-transformers in the same dtype,
 the main pass and the whole run over the Embedder. ``--skip-forward`` leaves out the two bare forward passes and
-sentence-transformers in the other dtype.
+sentence-transformers in the other dtype. ``--threads N`` sets every timed model's torch threads (mine's
+``embed.threads``): with fewer threads than cores, mine's other work runs beside the model instead of taking CPU from
+it, as on a GPU node (``--threads 1 --skip-st`` on a 2-core machine).
 Needs ``pip install sentence-transformers`` (the ``bench`` extra).
 """
 
@@ -129,11 +131,20 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=256, help="tokens per passage (default 256)")
     ap.add_argument("--skip-mine", action="store_true", help="do not run pairmine mine end to end")
     ap.add_argument("--skip-forward", action="store_true", help="do not time the bare forward passes")
+    ap.add_argument("--skip-st", action="store_true", help="do not time sentence-transformers' encode")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads of every timed model, here and in mine's embed actor (embed.threads); "
+                         "0: torch's default here, mine's plan (the node's CPUs) there. With fewer threads than "
+                         "cores, mine's other work runs beside the model instead of taking CPU from it")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
     from pairmine.operators.embed import Embedder, default_model_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    mine_extra = (f"embed.threads={args.threads}",) if args.threads else ()
 
     model_dir = default_model_path()
     work = tempfile.mkdtemp(prefix="bench_embed_")
@@ -156,7 +167,7 @@ def main() -> None:
             record(name, timed(lambda: vecs.__setitem__(name, forward(model_dir, passages, args.batch_size,
                                                                       args.max_length, bf16))))
 
-    emb = Embedder(batch_size=args.batch_size, max_length=args.max_length, device="cpu")
+    emb = Embedder(batch_size=args.batch_size, max_length=args.max_length, device="cpu", threads=args.threads)
     emb.setup()
     emb.encode(passages[:64])  # warm-up, as sentence-transformers gets below
     embedder = f"pairmine Embedder ({emb.dtype})"
@@ -164,9 +175,12 @@ def main() -> None:
 
     st_same = None
     try:
+        if args.skip_st:
+            raise ImportError
         from sentence_transformers import SentenceTransformer
     except ImportError:
-        print("  sentence-transformers not installed (pip install sentence-transformers): skipped")
+        print("  sentence-transformers encode: skipped (" + ("--skip-st)" if args.skip_st else "not installed: pip "
+              "install sentence-transformers)"))
     else:
         st = SentenceTransformer(model_dir, device="cpu")
         st.max_seq_length = args.max_length
@@ -185,13 +199,13 @@ def main() -> None:
             record(name, timed(run))
 
     if not args.skip_mine:
-        seconds, stats = mine(input_dir, args.batch_size, args.max_length)
+        seconds, stats = mine(input_dir, args.batch_size, args.max_length, *mine_extra)
         if stats["passages"] != n:
             print(f"  note: mine counted {stats['passages']} passages, the benchmark {n}")
         record("pairmine mine, whole run (wall, incl. Ray start)", seconds, stats["passages"])
         print(f"    phases (s): {stats.get('phases_s')}; main pass took {stats.get('passages_vector_reused')} "
               "vectors from the pool's pass", flush=True)
-        seconds, stats = mine(input_dir, args.batch_size, args.max_length, "consistency.enabled=false")
+        seconds, stats = mine(input_dir, args.batch_size, args.max_length, "consistency.enabled=false", *mine_extra)
         phases = stats.get("phases_s", {})
         record("pairmine mine, main pass (filter off: embeds all)", phases["main_pass"], stats["passages"])
         print(f"    phases (s): {phases}; whole run {seconds:.1f} s", flush=True)

@@ -5,6 +5,7 @@ the approximate indexes against exact search. Prints figures and ratios.
     pip install -e '.[bench]'              # sentence-transformers' mining needs the datasets library
     python benchmarks/bench_negatives.py   # fiqa-pairs-beir (500 pairs, 1,237 passages), default model, CPU
     python benchmarks/bench_negatives.py --skip-search --copies 4   # the corpus 5x larger: start-up a small share
+    python benchmarks/bench_negatives.py --skip-search --copies 4 --threads 1   # each model on one core
 
 What is timed:
   end to end   pairmine negatives (a subprocess: Ray start, corpus embedding, index, streaming pass, commit) and
@@ -45,7 +46,7 @@ def fiqa_pairs() -> tuple[list[dict], list[dict]]:
     return pairs, [{"id": d["_id"], "text": d["text"]} for d in corpus if d["text"].strip()]
 
 
-def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0) -> None:
+def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0, threads: int = 0) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -71,7 +72,8 @@ def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0) -> None
                                # one passage per document, as sentence-transformers is given the corpus
                                "--set", "chunk.fit_model_length=false", "--set",
                                f"negatives.depth={depth}", "--set", f"negatives.rank_end={depth}", "--set",
-                               f"negatives.rank_start={rank_start}", "--set", f"negatives.count={count}"],
+                               f"negatives.rank_start={rank_start}", "--set", f"negatives.count={count}"]
+                              + (["--set", f"embed.threads={threads}"] if threads else []),
                               capture_output=True, text=True)
         pm_s = time.time() - t0
         if proc.returncode:
@@ -82,6 +84,12 @@ def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0) -> None
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.util import mine_hard_negatives
 
+    if threads:  # sentence-transformers' encode and its faiss search with the same threads as pairmine's actor
+        import faiss
+        import torch
+
+        torch.set_num_threads(threads)
+        faiss.omp_set_num_threads(threads)
     t0 = time.time()
     model = SentenceTransformer(default_model_path(), device="cpu")
     mined = mine_hard_negatives(Dataset.from_list([{"query": p["query"], "passage": p["passage"]} for p in pairs]),
@@ -147,13 +155,16 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=0,
                     help="end to end: add this many copies of each answer with its sentences reshuffled to the "
                          "corpus, so that start-up is a small share (default 0: the 1,236 answers alone)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="end to end: torch threads of both models (pairmine's embed.threads; sentence-transformers' "
+                         "torch and faiss threads); 0: the defaults (the node's CPUs)")
     ap.add_argument("--skip-end-to-end", action="store_true")
     ap.add_argument("--skip-search", action="store_true", help="only the end-to-end comparison")
     args = ap.parse_args()
     if not args.skip_search:
         search(args.n, args.dim, args.queries, args.depth, args.rank_start, args.count)
     if not args.skip_end_to_end:
-        end_to_end(args.depth, args.rank_start, args.count, args.copies)
+        end_to_end(args.depth, args.rank_start, args.count, args.copies, args.threads)
 
 
 if __name__ == "__main__":
