@@ -268,7 +268,11 @@ def test_s3_server_restarted_mid_run(eight_shards, tiny_model_dir, tmp_path, ref
         p = start(cmd, log)
         wait_for(lambda: committed(o, "outage") >= 1, p, what="the first shard commit")
         server.stop()
-        time.sleep(3)
+        # Down until pairmine's retry layer has met the outage: a fixed few seconds could fall between the run's
+        # requests or be absorbed by botocore's own connection retries, and then nothing would be tested.
+        deadline = time.time() + 120
+        while "transient error" not in log.read_text() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
         server.start()
         rc = p.wait(timeout=900)
         text = log.read_text()
