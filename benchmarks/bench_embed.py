@@ -2,6 +2,7 @@
 ``pairmine mine`` end to end, on the same passages, with ratios.
 
     python benchmarks/bench_embed.py [--input PATH] [--copies 2] [--batch-size 32] [--max-length 256] [--skip-mine]
+                                     [--skip-forward] [--skip-st] [--threads N]
 
 The input is the shipped sample's documents (or ``--input``) plus ``--copies`` copies of each with its sentences
 reshuffled into a new text under a new id (seeded), so that start-up is a small share of the run: the default

@@ -3,7 +3,7 @@
 the approximate indexes against exact search. Prints figures and ratios.
 
     pip install -e '.[bench]'              # sentence-transformers' mining needs the datasets library
-    python benchmarks/bench_negatives.py   # fiqa-pairs-beir (500 pairs, 1,237 passages), default model, CPU
+    python benchmarks/bench_negatives.py   # fiqa-pairs-beir (499 pairs, 1,236 answers with text), default model, CPU
     python benchmarks/bench_negatives.py --skip-search --copies 4   # the corpus 5x larger: start-up a small share
     python benchmarks/bench_negatives.py --skip-search --copies 4 --threads 1   # each model on one core
 
@@ -146,19 +146,20 @@ def search(n: int, dim: int, queries: int, depth: int, rank_start: int, count: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--depth", type=int, default=200)
-    ap.add_argument("--rank-start", type=int, default=31)
-    ap.add_argument("--count", type=int, default=7)
+    ap.add_argument("--depth", type=int, default=200, help="candidates retrieved per query (default 200)")
+    ap.add_argument("--rank-start", type=int, default=31,
+                    help="first rank of the window negatives are taken from (default 31; the window ends at --depth)")
+    ap.add_argument("--count", type=int, default=7, help="negatives per pair (default 7)")
     ap.add_argument("--n", type=int, default=200_000, help="search part: corpus vectors (default 200,000)")
-    ap.add_argument("--dim", type=int, default=384)
-    ap.add_argument("--queries", type=int, default=5_000)
+    ap.add_argument("--dim", type=int, default=384, help="search part: vector dimension (default 384)")
+    ap.add_argument("--queries", type=int, default=5_000, help="search part: queries (default 5,000)")
     ap.add_argument("--copies", type=int, default=0,
                     help="end to end: add this many copies of each answer with its sentences reshuffled to the "
                          "corpus, so that start-up is a small share (default 0: the 1,236 answers alone)")
     ap.add_argument("--threads", type=int, default=0,
                     help="end to end: torch threads of both models (pairmine's embed.threads; sentence-transformers' "
                          "torch and faiss threads); 0: the defaults (the node's CPUs)")
-    ap.add_argument("--skip-end-to-end", action="store_true")
+    ap.add_argument("--skip-end-to-end", action="store_true", help="only the search part")
     ap.add_argument("--skip-search", action="store_true", help="only the end-to-end comparison")
     args = ap.parse_args()
     if not args.skip_search:
