@@ -496,6 +496,16 @@ def apply_file_and_overrides(cfg: Sections, path: str | Path | None, overrides: 
     return cfg
 
 
+def run_chunk_spec(manifest: dict):
+    """The :class:`pipeline.inputs.ChunkSpec` a committed mine run chunked with, from its ``manifest.json``
+    (``config.chunk`` and :func:`run_token_limit`), so that re-chunking its input gives the passages it mined."""
+    from pairmine.pipeline.inputs import ChunkSpec
+
+    chunk = (manifest.get("config") or {}).get("chunk") or {}
+    return ChunkSpec(chunk.get("max_words", 120), chunk.get("min_words", 5), chunk.get("max_passages", 256),
+                     run_token_limit(manifest))
+
+
 def run_token_limit(manifest: dict):
     """The :class:`operators.chunk.TokenLimit` a committed mine run chunked with, from its ``manifest.json``
     (``config.chunk.fit_model_length``, ``config.embed`` and ``resolved.passage_prefix``), so that re-chunking its

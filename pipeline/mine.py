@@ -589,8 +589,8 @@ def mine(cfg: MineConfig) -> MineResult:
     # the pass is seeded, so it gives the first attempt's results again. One task per row group; ids go to
     # hash-range indexes on the workers, never to the driver (pipeline.first_pass).
     chunk_spec = cfg.chunk_spec()
-    pool_spec = PoolSpec(c.pool_size, c.seed, sample_cut(c.pool_size, known_rows), known_rows, chunk_spec
-                         ) if c.enabled else None
+    pool_spec = (PoolSpec(c.pool_size, c.seed, sample_cut(c.pool_size, known_rows), known_rows, chunk_spec)
+                 if c.enabled else None)
     first = first_pass(shards, layout, ScanParams(cfg.input.text_column, cfg.input.id_column, cfg.tfidf.sample_docs,
                                                   cfg.tfidf.seed, sample_cut(cfg.tfidf.sample_docs, known_rows),
                                                   pool_spec, storage, cfg.input.skip_duplicate_texts, chunk_spec),

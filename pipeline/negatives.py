@@ -34,8 +34,8 @@ import numpy as np
 import pyarrow as pa
 
 from pairmine.operators.read import InputError
-from pairmine.pipeline.config import ConfigError, NegativesConfig, run_token_limit
-from pairmine.pipeline.inputs import ChunkSpec, PoolSpec, Shard, check_parquet_shards, discover_shards, shard_pool
+from pairmine.pipeline.config import ConfigError, NegativesConfig, run_chunk_spec
+from pairmine.pipeline.inputs import PoolSpec, Shard, check_parquet_shards, discover_shards, shard_pool
 from pairmine.pipeline.mine import (
     EMBED_CALL_PASSAGES, MineResult, Progress, _load_pool, _shard_dict, check_model, model_id, new_run_id,
     result_config,
@@ -141,11 +141,10 @@ def resolve_corpus(cfg: NegativesConfig, storage) -> tuple[list[Shard], str, str
     run = _run_manifest(n.corpus, storage)
     if run is not None and run.get("inputs"):
         config = run.get("config") or {}
-        ic, cc = config.get("input") or {}, config.get("chunk") or {}
+        ic = config.get("input") or {}
         shards = [Shard(index=i, path=r["path"], format=r["format"], size=int(r.get("size", 0)),
                         fingerprint=r.get("fingerprint", "")) for i, r in enumerate(run["inputs"])]
-        spec = PoolSpec(ALL_PASSAGES, 0, 1.0, 0, ChunkSpec(cc.get("max_words", 120), cc.get("min_words", 5),
-                                                           cc.get("max_passages", 256), run_token_limit(run)))
+        spec = PoolSpec(ALL_PASSAGES, 0, 1.0, 0, run_chunk_spec(run))
         return shards, ic.get("text_column", "text"), ic.get("id_column", "id"), spec
     try:
         shards = discover_shards(n.corpus, "auto", storage)

@@ -255,8 +255,7 @@ def sample_documents(run: str | Path, manifest: dict, examples: int, seed: int, 
         (list of {index, text, centrality or None, used}) or None, check (text of the re-chunk check).
     """
     from pairmine.operators.centrality import centrality
-    from pairmine.operators.chunk import chunk_text
-    from pairmine.pipeline.config import run_token_limit
+    from pairmine.pipeline.config import run_chunk_spec
 
     parts = _read_groups(str(run), storage or LOCAL)
     by_doc: dict[str, dict] = {}
@@ -291,13 +290,13 @@ def sample_documents(run: str | Path, manifest: dict, examples: int, seed: int, 
         except Exception as e:  # a moved/removed input: the page says so instead of failing
             notes.append(f"input shard {shard_index} ({shard['path'] if shard else '?'}) could not be read again "
                          f"({type(e).__name__}: {e}); its documents show their groups only")
-    c = cfg.chunk
+    spec = run_chunk_spec(manifest)  # the run's own chunking, token limit included
     for d in docs:
         text = texts.get(d["doc_id"])
         if not isinstance(text, str):
             d["check"] = "document text not found in the run's input: groups only"
             continue
-        passages = chunk_text(text, c.max_words, c.min_words, c.max_passages, run_token_limit(manifest)).passages
+        passages = spec.chunk(text).passages
         ok = all(r["anchor_index"] < len(passages) and passages[r["anchor_index"]] == r["anchor_text"]
                  and all(j < len(passages) and passages[j] == t for j, t in zip(r["related_indices"], r["related_texts"]))
                  for r in d["rows"])
