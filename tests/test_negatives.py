@@ -137,10 +137,13 @@ def test_shard_by_shard_search_is_the_search_of_the_whole_corpus():
     assert found[:, 5:].tolist() == [[-1, -1]] * 2 and np.isneginf(scores[:, 5:]).all()
     assert found[:, :5].tolist() == np.argsort(-(q[:2] @ x[:5].T), axis=1).tolist()
     # Equal scores (each vector four times, so ties straddle chunk cuts and the top-k cut): the lower row first.
-    tied = np.repeat(x[:60], 4, axis=0)  # rows 4j..4j+3 are x[j]
+    # Small integers, so that every dot product is exact in fp32 whatever order a kernel sums in (with real-valued
+    # vectors, a CPU matmul over a 13-row chunk can round a repeated row's score differently by its place).
+    ints = np.random.default_rng(1).integers(-3, 4, size=(62, x.shape[1])).astype(np.float32)
+    tied, qi = np.repeat(ints[:60], 4, axis=0), ints[60:]  # rows 4j..4j+3 are ints[j]
     for chunk_mb in (1e-4, 4e-3, 256):  # 13, 524 and all 240 rows per chunk for 2 queries
-        scores, found = TorchFlatSearch(tied, "cpu", chunk_mb=chunk_mb).search(q[:2], 10)
-        want = np.argsort(-(q[:2] @ tied.T), axis=1, kind="stable")[:, :10]
+        scores, found = TorchFlatSearch(tied, "cpu", chunk_mb=chunk_mb).search(qi, 10)
+        want = np.argsort(-(qi @ tied.T), axis=1, kind="stable")[:, :10]
         assert found.tolist() == want.tolist(), chunk_mb
     a, b = select(merged).to_pylist(), select(whole).to_pylist()
     assert [r["negatives"] for r in a] == [r["negatives"] for r in b]
