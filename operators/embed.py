@@ -231,20 +231,41 @@ class Embedder:
         self.threads = threads
         self.trust_remote_code = trust_remote_code
         self._model = None
+        self._tokenizer = None
+        self.dim = 0  # known once the known vectors or the model are loaded
         self.last_reused = np.zeros(0, dtype=bool)  # of the last encode_counted call, per passage
 
     def setup(self) -> None:
-        """Load tokenizer and model once (called lazily on the first batch)."""
-        import torch
+        """Load tokenizer, ``known`` and model once (an actor calls it before its first batch)."""
+        self.setup_tokenizer()
+        self.setup_model()
+
+    def setup_tokenizer(self) -> None:
+        """Load the tokenizer and the ``known`` vectors once, not the model: an operator whose passages may all be
+        known (:meth:`encode_counted` loads the model only for a passage it has to embed) starts without torch."""
+        if getattr(self, "_tokenizer", None) is not None:
+            return
         import transformers
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoTokenizer
 
         transformers.logging.disable_progress_bar()  # one "Loading weights" bar per actor is noise in job logs
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+        if self._known_loader is not None:
+            self._known = self._known_loader()  # (keys sorted (n,), rows (n,), vectors (m, dim)): see known_vectors
+            self.dim = int(self._known[2].shape[1])
+
+    def setup_model(self) -> None:
+        """Load the model once (and the tokenizer, when not loaded yet)."""
+        self.setup_tokenizer()
+        if self._model is not None:
+            return
+        import torch
+        from transformers import AutoModel
+
         if self.threads > 0:
             torch.set_num_threads(self.threads)
         self.device = pick_device(self.device_request)
         self.dtype = pick_dtype(self.dtype_request, self.device)
-        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         # Weights stay fp32 on CPU (autocast does the bf16 matmuls); on GPU they are stored in the compute dtype.
         load_dtype = getattr(torch, self.dtype) if self.device == "cuda" else torch.float32
         self._model = AutoModel.from_pretrained(
@@ -252,8 +273,6 @@ class Embedder:
         ).to(self.device)
         self._model.eval()
         self.dim = int(self._model.config.hidden_size)
-        if self._known_loader is not None:
-            self._known = self._known_loader()  # (keys sorted (n,), rows (n,), vectors (m, dim)): see known_vectors
         log.info("embedder: %s on %s (%s), dim %d, pid %d", self.model_path, self.device, self.dtype, self.dim, os.getpid())
 
     def encode(self, passages: list[str], prefix: str | None = None) -> np.ndarray:
@@ -274,10 +293,9 @@ class Embedder:
             (vectors, truncated): (n, dim) float32 as :meth:`encode`; (n,) bool, True where the prefixed passage has
             more than ``max_length`` tokens.
         """
-        import torch
-
-        if self._model is None:
-            self.setup()
+        self.setup_tokenizer()
+        if not self.dim:  # neither known vectors nor the model give the dimension yet
+            self.setup_model()
         out = np.zeros((len(passages), self.dim), dtype=np.float32)
         truncated = np.zeros(len(passages), dtype=bool)
         self.last_reused = np.zeros(len(passages), dtype=bool)
@@ -301,6 +319,11 @@ class Embedder:
             out[hit] = vectors[rows[pos[hit]]]  # computed by this model with this prefix in the pool pass
             todo = np.flatnonzero(~hit)
             self.last_reused = hit
+        if not len(todo):
+            return out, truncated
+        import torch
+
+        self.setup_model()
         autocast = self.dtype in ("bfloat16", "float16") and self.device == "cpu"
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             for length, sub in length_batches([lengths[i] for i in todo], self.max_length, self.batch_size):
@@ -352,11 +375,14 @@ class Embedder:
         """Add ``vectors`` (list<fixed_size_list<float32, dim>>), ``n_token_truncated`` (int32: passages of the
         document cut to ``max_length`` tokens) and ``n_vector_reused`` (int32: passages whose vector came from
         ``known``) to a batch of documents with a ``passages`` column."""
-        if self._model is None:
-            self.setup()
+        return self.embed_rows(batch)
+
+    def embed_rows(self, batch: pa.Table, prefix: str | None = None) -> pa.Table:
+        """:meth:`__call__` with ``prefix`` (None: the passage prefix) before every passage of the batch."""
+        self.setup_tokenizer()
         per_doc = batch.column("passages").to_pylist()
         flat = [p for doc in per_doc for p in doc]
-        matrix, truncated = self.encode_counted(flat)  # (total_passages, dim), (total_passages,)
+        matrix, truncated = self.encode_counted(flat, prefix)  # (total_passages, dim), (total_passages,)
         bounds = np.cumsum([0] + [len(doc) for doc in per_doc])
         vectors = vectors_array([matrix[bounds[i] : bounds[i + 1]] for i in range(len(per_doc))], self.dim)
         counts = [int(truncated[bounds[i] : bounds[i + 1]].sum()) for i in range(len(per_doc))]

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from pairmine.operators.chunk import normalise_passage
 from pairmine.operators.consistency import doc_hash
+from pairmine.operators.embed import Embedder
 from pairmine.operators.pairs import EmbedPairs
 from pairmine.operators.pairs import _matrix
 from pairmine.operators.read import open_input
@@ -32,7 +33,7 @@ from pairmine.operators.storage import LOCAL, Storage
 
 # Why a retrieved candidate is not kept as a negative; each count goes to stats.json (negatives_dropped).
 DROP_REASONS = ("positive_duplicate", "query_duplicate", "same_document", "before_window", "after_window", "above_margin",
-                "above_relative_margin", "beyond_count")
+                "above_relative_margin", "beyond_count", "negative_duplicate")
 
 NEGATIVES_SCHEMA = pa.schema(
     [
@@ -73,11 +74,15 @@ def select_negatives(ids: np.ndarray, scores: np.ndarray, text_hashes: np.ndarra
         query_text_hash: the same hash of the query: a passage with the query's own text (a mined anchor repeated
             in another document) is not a negative of it; None: off.
 
+    A candidate with the text (normalised, as ``text_hashes``) of a negative already kept is dropped as
+    ``negative_duplicate``: a corpus that repeats a passage (web pages, boilerplate) gives it one place in the list,
+    as sentence-transformers' ``mine_hard_negatives`` does by de-duplicating its corpus.
+
     Returns:
         (positions in ``ids`` of the kept negatives, best first; Counter of :data:`DROP_REASONS`). Every retrieved
         candidate is either kept or counted under exactly one reason (checked in that order).
     """
-    kept, drops = [], Counter()
+    kept, kept_texts, drops = [], set(), Counter()
     for pos, (row, score) in enumerate(zip(ids.tolist(), scores.tolist())):
         if row < 0:
             continue
@@ -98,8 +103,11 @@ def select_negatives(ids: np.ndarray, scores: np.ndarray, text_hashes: np.ndarra
             drops["above_relative_margin"] += 1
         elif len(kept) >= count:
             drops["beyond_count"] += 1
+        elif text_hashes[row] in kept_texts:
+            drops["negative_duplicate"] += 1
         else:
             kept.append(pos)
+            kept_texts.add(text_hashes[row])
     return kept, drops
 
 
@@ -158,26 +166,133 @@ class EmbedPairVectors(EmbedPairs):
     def __init__(self, query_prefix: str = "", known=None, **embedder_kwargs):
         super().__init__(query_prefix, known=known, **embedder_kwargs)
 
+    def setup(self) -> None:
+        """Tokenizer and ``known`` vectors now; with ``known``, the model only once a text is not among them (when
+        the corpus pass embedded the queries too, a pairs actor that finds every positive in the corpus never loads
+        it)."""
+        self.embedder.setup_tokenizer()
+        if self.embedder._known is None:
+            self.embedder.setup_model()
+
     def texts_to_embed(self, texts: list[str], prefix: str) -> list[str]:
-        """Each text, or its form without outer whitespace where the tokenizer gives both the same input ids (so the
-        model computes the same vector from either): a corpus passage is a slice of its document without the outer
-        whitespace, so a positive that is a whole document (" Yes you can ...") finds its passage's key."""
-        if self.embedder._model is None:
-            self.embedder.setup()
+        """Each text as it is looked up in ``known`` (:func:`lookup_forms`)."""
+        self.embedder.setup_tokenizer()
         if self.embedder._known is None:
             return texts
-        stripped = [t.strip() for t in texts]
-        differ = [i for i, (t, s) in enumerate(zip(texts, stripped)) if t != s and s]
-        if not differ:
-            return texts
-        tokenize = partial(self.embedder._tokenizer, truncation=True, max_length=self.embedder.max_length)
-        before = tokenize([prefix + texts[i] for i in differ])["input_ids"]
-        after = tokenize([prefix + stripped[i] for i in differ])["input_ids"]
-        out = list(texts)
-        for i, a, b in zip(differ, before, after):
-            if a == b:
-                out[i] = stripped[i]
-        return out
+        return lookup_forms(self.embedder._tokenizer, self.embedder.max_length, texts, prefix)
+
+
+_INVISIBLE = ("Zs", "Zl", "Zp", "Cc", "Cf")  # Unicode categories of spaces, controls and format characters (U+200B)
+
+
+def outer_trim(text: str) -> str:
+    """``text`` without outer whitespace, control and format characters (a zero-width space, a BOM): how a corpus
+    passage begins and ends, since it runs from its first word to its last. ``outer_trim(" \u200bYes. ") == "Yes."``"""
+    import unicodedata
+
+    lo, hi = 0, len(text)
+    while lo < hi and (text[lo].isspace() or unicodedata.category(text[lo]) in _INVISIBLE):
+        lo += 1
+    while hi > lo and (text[hi - 1].isspace() or unicodedata.category(text[hi - 1]) in _INVISIBLE):
+        hi -= 1
+    return text[lo:hi]
+
+
+def lookup_forms(tokenizer, max_length: int, texts: list[str], prefix: str) -> list[str]:
+    """Each text, or its form without outer whitespace and invisible characters (:func:`outer_trim`) where
+    ``tokenizer`` gives both the same input ids with ``prefix`` before them (so the model computes the same vector from
+    either): a corpus passage is a slice of its document from its first word to its last, so a positive that is a
+    whole document (" \u200bYes you can ...") finds its passage's key. The corpus pass stores the queries it embeds
+    in this form, so the pairs pass finds them."""
+    stripped = [outer_trim(t) for t in texts]
+    differ = [i for i, (t, s) in enumerate(zip(texts, stripped)) if t != s and s]
+    if not differ:
+        return texts
+    tokenize = partial(tokenizer, truncation=True, max_length=max_length)
+    before = tokenize([prefix + texts[i] for i in differ])["input_ids"]
+    after = tokenize([prefix + stripped[i] for i in differ])["input_ids"]
+    out = list(texts)
+    for i, a, b in zip(differ, before, after):
+        if a == b:
+            out[i] = stripped[i]
+    return out
+
+
+class EmbedCorpus(Embedder):
+    """Embed operator of the negatives corpus pass: rows of ``passages`` (list<string>) and ``query_rows`` (bool).
+    Corpus rows are embedded as :class:`operators.embed.Embedder` does (passage prefix); query rows (the pairs'
+    queries, embedded in the same pass so that the pairs pass needs no model of its own) with ``query_prefix``, their
+    texts first put in the form the pairs pass looks up (:func:`lookup_forms`, written back to ``passages``).
+    Adds ``vectors``, ``n_token_truncated`` and ``n_vector_reused`` as the Embedder does. Other args as
+    :class:`operators.embed.Embedder`."""
+
+    def __init__(self, query_prefix: str = "", **embedder_kwargs):
+        super().__init__(**embedder_kwargs)
+        self.query_prefix = query_prefix
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        self.setup_tokenizer()
+        flags = batch.column("query_rows").to_numpy(zero_copy_only=False)
+        if not flags.any():
+            return super().__call__(batch)
+        passages = batch.column("passages").to_pylist()
+        for i in np.flatnonzero(flags):
+            passages[i] = lookup_forms(self._tokenizer, self.max_length, passages[i], self.query_prefix)
+        tables = []
+        for i in range(batch.num_rows):  # one prefix per row; rows keep their order
+            row = batch.slice(i, 1).set_column(batch.schema.get_field_index("passages"), "passages",
+                                               pa.array([passages[i]], pa.list_(pa.string())))
+            tables.append(self.embed_rows(row, self.query_prefix if flags[i] else None))
+        return pa.concat_tables(tables)
+
+
+class PassageKeys:
+    """One partition of the set of corpus passages already seen, for exact de-duplication before embedding (run as
+    a Ray actor, one per hash range: partition ``k`` of ``K`` holds the keys with ``key % K == k``, so the set grows
+    with the corpus over more actors, not in one process). Keys are :func:`operators.embed.text_keys` of the passage
+    texts (64-bit); 16 bytes per distinct passage (key and document hash), in sorted numpy arrays.
+
+    A passage is embedded by whichever chunk task claims its key first (every copy has the same text, so the same
+    vector); its document is the smallest document hash among the copies (:meth:`documents`), so that the index
+    does not depend on which task came first.
+    """
+
+    def __init__(self):
+        self.keys = np.zeros(0, np.int64)  # sorted
+        self.docs = np.zeros(0, np.int64)  # smallest document hash of each key's copies
+        self.duplicates = 0
+
+    def claim(self, keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
+        """(n,) bool: True for the first copy of each key not seen before (the one to embed); every copy's
+        document is recorded. Keys (n,) int64, docs (n,) int64 document hashes."""
+        keys, docs = np.asarray(keys, np.int64), np.asarray(docs, np.int64)
+        first = np.zeros(len(keys), bool)
+        if not len(keys):
+            return first
+        order = np.lexsort((np.arange(len(keys)), keys))  # by key, then position: each key's first copy first
+        k, d = keys[order], docs[order]
+        head = np.ones(len(k), bool)
+        head[1:] = k[1:] != k[:-1]
+        starts = np.flatnonzero(head)
+        batch_keys, batch_docs = k[starts], np.minimum.reduceat(d, starts)  # distinct keys of the call
+        pos = np.searchsorted(self.keys, batch_keys)
+        seen = (pos < len(self.keys)) & (self.keys[np.minimum(pos, len(self.keys) - 1)] == batch_keys) \
+            if len(self.keys) else np.zeros(len(batch_keys), bool)
+        self.docs[pos[seen]] = np.minimum(self.docs[pos[seen]], batch_docs[seen])
+        first[order[starts[~seen]]] = True
+        at = pos[~seen]  # the new keys are sorted (batch_keys is): one linear insert keeps the arrays sorted
+        self.keys, self.docs = np.insert(self.keys, at, batch_keys[~seen]), np.insert(self.docs, at, batch_docs[~seen])
+        self.duplicates += int(len(keys) - first.sum())
+        return first
+
+    def documents(self, keys: np.ndarray) -> np.ndarray:
+        """(n,) int64: the smallest document hash among the copies of each claimed key."""
+        pos = np.searchsorted(self.keys, np.asarray(keys, np.int64))
+        return self.docs[np.minimum(pos, len(self.keys) - 1)]
+
+    def count(self) -> tuple[int, int]:
+        """(distinct passages, copies dropped) so far."""
+        return len(self.keys), self.duplicates
 
 
 def load_index(blob: np.ndarray):

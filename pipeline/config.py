@@ -173,6 +173,10 @@ class NegativesSection:
                            "(placed where its memory fits; the shards' top-depth lists are merged exactly); 0: as many "
                            "as index_shard_mb asks")
     index_shard_mb: float = _f(8192, "index_shards = 0: MiB of embedded corpus (vectors and texts) per index shard")
+    dedupe_corpus: bool = _f(True, "embed and index each distinct corpus passage once: an exact repeat of a passage "
+                             "(another page's copy, boilerplate) is dropped before embedding and counted "
+                             "(corpus_duplicates in stats.json), as sentence-transformers' mine_hard_negatives "
+                             "de-duplicates its corpus")
     recall_probes: int = _f(256, "approximate indexes: corpus passages used as probe queries to measure recall@depth "
                             "against exact search")
     teacher: str = _f("", "cross-encoder teacher (--teacher; folder or hub id, one output logit) scoring (query, "

@@ -4,11 +4,15 @@ by a cross-encoder teacher (seed 004, chapter 3: E5's second stage; SPEC "Hard n
     plan     the pairs: a ``pairmine mine`` run (anchor -> s1, with its document id), a ``filter-pairs`` run, or any
              parquet/JSONL of (query, passage); the corpus: documents chunked like mine's input, or a mine run's
              input chunked with that run's settings
-    corpus   every corpus passage is chunked and embedded with the pairs' embedder (same model, passage prefix,
+    corpus   every distinct corpus passage (exact repeats dropped before embedding: :class:`_ChunkCorpus`,
+             ``negatives.dedupe_corpus``) is chunked and embedded with the pairs' embedder (same model, passage prefix,
              dtype; a mine run's own embed settings unless embed.model is set) in a Ray Data pass whose blocks stay
              in Ray's object store, and indexed with faiss by Ray tasks in ``negatives.index_shards`` shards (equal
              passage ranges; exact IndexFlatIP by default, IVF or HNSW as options with their recall@depth against
-             exact search measured on probe passages and logged); the driver holds object refs and counts only
+             exact search measured on probe passages and logged); the driver holds object refs and counts only.
+             The same pass embeds the queries of the pairs left to search (query prefix) when the index is one shard
+             and their vectors fit one shard's memory (:func:`queries_with_corpus`): the pairs pass then takes every
+             query's vector, and every positive's found in the corpus, from the shard, and loads no model
     read -> embed (query prefix / passage prefix) -> search (one actor per index shard, each holding its shard; the
              candidate lists merged exactly; an exact shard on a GPU plan is searched with torch on the GPU) ->
              select (rank window) -> [teacher] -> write (staging)
@@ -221,11 +225,12 @@ def _make_embed(cfg: NegativesConfig, threads: int, device: str, known_ref=None)
 
 
 def _make_corpus_embed(cfg: NegativesConfig, threads: int, device: str):
-    from pairmine.operators.embed import Embedder
+    from pairmine.operators.negatives import EmbedCorpus
 
     e = cfg.embed
-    return Embedder(e.model, cfg.resolved_prefix(), e.max_length, e.batch_size, e.dtype, device, threads,
-                    e.trust_remote_code)
+    return EmbedCorpus(cfg.resolved_query_prefix(), model=e.model, passage_prefix=cfg.resolved_prefix(),
+                       max_length=e.max_length, batch_size=e.batch_size, dtype=e.dtype, device=device,
+                       threads=threads, trust_remote_code=e.trust_remote_code)
 
 
 def _make_search(shard_ref, offset: int, cfg: NegativesConfig, threads: int, device: str):
@@ -242,39 +247,88 @@ def _make_select(cfg: NegativesConfig):
 
 
 class _ChunkCorpus:
-    """Chunk operator of the corpus pass: a batch of corpus shard numbers -> rows of up to ``per_row`` passages
-    (``passages`` list<string>, ``hashes`` list<int64>: the hash of each passage's document id), every usable
-    passage of those shards (:func:`pipeline.inputs.shard_pool` with a pool as large as the corpus)."""
+    """Chunk operator of the corpus pass: a batch of items -> rows of up to ``per_row`` texts (``passages``
+    list<string>, ``hashes`` list<int64>, ``query_rows`` bool). An item ``{"shard": i, "unit": -1}`` gives every
+    usable passage of corpus shard i (:func:`pipeline.inputs.shard_pool` with a pool as large as the corpus; hashes:
+    of each passage's document id); ``{"shard": -1, "unit": j}`` gives the distinct queries of the usable pairs of
+    work unit ``units[j]``, read by the pairs pass's own read operator (``make_read()``), as query rows (hashes 0),
+    so that the corpus pass embeds them and the pairs pass loads no model."""
 
     per_row = EMBED_CALL_PASSAGES
 
-    def __init__(self, shards: list[Shard], text_column: str, id_column: str, spec: PoolSpec, storage):
+    def __init__(self, shards: list[Shard], text_column: str, id_column: str, spec: PoolSpec, storage,
+                 units: list[dict] | None = None, make_read=None, dedupe: list | None = None):
         self.shards, self.text_column, self.id_column, self.spec, self.storage = (shards, text_column, id_column,
                                                                                   spec, storage)
+        self.units, self.make_read, self.dedupe = units or [], make_read, dedupe or []
+
+    def _first_copies(self, texts: list[str], hashes: list[int]) -> tuple[list[str], list[int]]:
+        """The passages whose text no chunk task has claimed before (``dedupe``: the
+        :class:`operators.negatives.PassageKeys` actors, one per key range)."""
+        import ray
+
+        from pairmine.operators.embed import text_keys
+
+        keys = text_keys(texts)
+        part = keys % len(self.dedupe)
+        first = np.zeros(len(texts), bool)
+        calls = [(idx, actor.claim.remote(keys[idx], np.asarray(hashes, np.int64)[idx]))
+                 for k, actor in enumerate(self.dedupe) if len(idx := np.flatnonzero(part == k))]
+        for idx, ref in calls:
+            first[idx] = ray.get(ref)
+        return [t for t, f in zip(texts, first) if f], [h for h, f in zip(hashes, first) if f]
+
+    def _queries(self, unit: dict) -> list[str]:
+        import pyarrow.compute as pc
+
+        pairs = self.make_read()(pa.Table.from_pylist([unit]))
+        usable = pairs.filter(pc.is_null(pairs.column("skip_reason")))
+        return list(dict.fromkeys(usable.column("query").to_pylist()))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        passages, hashes = [], []
-        for i in batch.column("shard").to_pylist():
-            for _, h, p in shard_pool(self.shards[i], self.text_column, self.id_column, self.spec, self.storage):
-                passages.append(p)
-                hashes.append(h)
-        cuts = range(0, len(passages), self.per_row)
-        return pa.table({"passages": pa.array([passages[i:i + self.per_row] for i in cuts], pa.list_(pa.string())),
-                         "hashes": pa.array([hashes[i:i + self.per_row] for i in cuts], pa.list_(pa.int64()))})
+        rows: list[tuple[list[str], list[int], bool]] = []
+        for i, j in zip(batch.column("shard").to_pylist(), batch.column("unit").to_pylist()):
+            if i >= 0:
+                texts, hashes = [], []
+                for _, h, p in shard_pool(self.shards[i], self.text_column, self.id_column, self.spec, self.storage):
+                    texts.append(p)
+                    hashes.append(h)
+                if self.dedupe and texts:
+                    texts, hashes = self._first_copies(texts, hashes)
+            else:
+                texts = self._queries(self.units[j])
+                hashes = [0] * len(texts)
+            rows += [(texts[k:k + self.per_row], hashes[k:k + self.per_row], i < 0)
+                     for k in range(0, len(texts), self.per_row)]
+        return pa.table({"passages": pa.array([r[0] for r in rows], pa.list_(pa.string())),
+                         "hashes": pa.array([r[1] for r in rows], pa.list_(pa.int64())),
+                         "query_rows": pa.array([r[2] for r in rows], pa.bool_())})
+
+
+def _rows_of(block: pa.Table, queries: bool) -> pa.Table:
+    """The corpus rows (``queries`` False) or the query rows (True) of an embedded corpus-pass block."""
+    import pyarrow.compute as pc
+
+    flags = block.column("query_rows")
+    return block.filter(flags if queries else pc.invert(flags))
 
 
 def build_index_shard(kind: str, nprobe: int, ef_search: int, depth: int, probes: int, known_prefix: str | None,
-                      slices: list[tuple[int, int]], *blocks: pa.Table):
+                      query_prefix: str, dedupe: list | None, slices: list[tuple[int, int]], *blocks: pa.Table):
     """One shard of the corpus index, built from slices of embedded corpus blocks (rows of ``passages``, ``hashes``,
-    ``vectors``; ``slices[i]`` = (first passage, end passage) of ``blocks[i]``), run as a Ray task next to the
-    blocks so that no corpus passage passes through the driver.
+    ``vectors``, ``query_rows``; ``slices[i]`` = (first passage, end passage) of the corpus rows of ``blocks[i]``),
+    run as a Ray task next to the blocks so that no corpus passage passes through the driver. Blocks after the
+    first ``len(slices)`` hold query rows only; query rows are never indexed. With ``dedupe`` (the corpus pass's
+    :class:`operators.negatives.PassageKeys` actors), each passage's document is the smallest document hash among
+    its copies.
 
     Returns:
         three values (the task's three ObjectRefs): the shard as :class:`operators.negatives.SearchShard` loads it
         (index bytes, text hashes (n,), document hashes (n,), texts); ``{"passages": n, "index": description,
         "recall": recall@depth of the shard's index against exact search of the shard, or None}``; and with
         ``known_prefix`` not None, the shard's vectors as an Embedder's ``known`` lookup (keys of ``known_prefix``
-        + text), else None.
+        + text) together with the query rows' vectors of every block given (keys of ``query_prefix`` + text), else
+        None.
     """
     import faiss
 
@@ -283,17 +337,37 @@ def build_index_shard(kind: str, nprobe: int, ef_search: int, depth: int, probes
 
     mats, texts, hashes = [], [], []
     for (lo, hi), block in zip(slices, blocks):
+        block = _rows_of(block, queries=False)
         matrix, _ = vector_matrix(block.column("vectors"))  # (passages of the block, dim)
         mats.append(matrix[lo:hi])
         texts.extend(block.column("passages").combine_chunks().flatten()[lo:hi].to_pylist())
         hashes.append(block.column("hashes").combine_chunks().flatten()[lo:hi].to_numpy(zero_copy_only=False))
     vectors = np.ascontiguousarray(np.concatenate(mats), np.float32)  # (n, dim)
     doc_hashes = np.concatenate(hashes).astype(np.int64)
+    if dedupe:
+        import ray
+
+        from pairmine.operators.embed import text_keys
+
+        keys = text_keys(texts)
+        part = keys % len(dedupe)
+        calls = [(idx, actor.documents.remote(keys[idx]))
+                 for k, actor in enumerate(dedupe) if len(idx := np.flatnonzero(part == k))]
+        for idx, ref in calls:
+            doc_hashes[idx] = ray.get(ref)
     index, desc = build_index(vectors, kind, nprobe, ef_search)
     recall = None if kind == "flat" else measure_recall(index, vectors, depth, probes)
     shard = (faiss.serialize_index(index), np.array([text_hash(t) for t in texts], np.int64), doc_hashes,
              pa.array(texts, pa.string()))
-    known = None if known_prefix is None else known_vectors([known_prefix + t for t in texts], vectors)
+    known = None
+    if known_prefix is not None:
+        keys, mats = [known_prefix + t for t in texts], [vectors]
+        for block in blocks:
+            queries = _rows_of(block, queries=True)
+            if queries.num_rows:
+                mats.append(vector_matrix(queries.column("vectors"))[0])
+                keys += [query_prefix + t for t in queries.column("passages").combine_chunks().flatten().to_pylist()]
+        known = known_vectors(keys, np.concatenate(mats) if len(mats) > 1 else vectors)
     return shard, {"passages": len(texts), "index": desc, "recall": recall}, known
 
 
@@ -319,11 +393,12 @@ def split_passages(counts: list[int], shards: int) -> list[list[tuple[int, int, 
     return out
 
 
-def _passages_in_block(block) -> int:
-    """Passages in one embedded corpus block (rows of up to ``_ChunkCorpus.per_row`` passages)."""
+def _passages_in_block(block) -> tuple[int, int]:
+    """(corpus passages, queries) in one embedded corpus-pass block (rows of up to ``_ChunkCorpus.per_row``)."""
     import pyarrow.compute as pc
 
-    return int(pc.sum(pc.list_value_length(block.column("passages"))).as_py() or 0)
+    return tuple(int(pc.sum(pc.list_value_length(_rows_of(block, q).column("passages"))).as_py() or 0)
+                 for q in (False, True))
 
 
 def _make_teacher(cfg: NegativesConfig, device: str, threads: int):
@@ -364,18 +439,24 @@ def check_teacher(path: str) -> None:
 
 def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_column: str, id_column: str,
                        spec: PoolSpec, threads: int, device: str, actors: int, embed_cpus: float, embed_gpus: float,
-                       light: float, figures_out: list | None = None) -> list[dict]:
+                       light: float, figures_out: list | None = None, query_units: list[dict] | None = None,
+                       make_read=None) -> list[dict]:
     """Chunk and embed the corpus on Ray and build its index in ``negatives.index_shards`` shards (0: as many as
     ``negatives.index_shard_mb`` of embedded blocks per shard asks), each by a Ray task from the embedded blocks;
     the driver holds only object refs and per-shard counts, so the corpus may be larger than its memory (Ray's
     object store spills to disk). With ``figures_out``, the corpus pass's per-stage figures
-    (:func:`pipeline.ray_adapter.stage_figures`, stages named "corpus: ...") are appended to it.
+    (:func:`pipeline.ray_adapter.stage_figures`, stages named "corpus: ...") are appended to it. With
+    ``query_units`` (work units of pairs) and ``make_read`` (their read operator's factory), the same pass embeds
+    those pairs' queries with the query prefix; with one shard they join its ``known`` lookup, so that the pairs
+    pass embeds no query (with several they are not used).
 
     Returns:
         per shard, in corpus-row order (none for a corpus without a usable passage): ``{"ref": ObjectRef of the
         shard (index, hashes, texts), "offset": its first global corpus row, "passages", "index": description,
-        "recall", "memory": bytes an actor holding it needs,
-        "known": ObjectRef of the shard's ``known`` lookup (one shard only) or None}``.
+        "recall", "memory": bytes an actor holding it needs, "duplicates": corpus passages dropped as exact copies of
+        another (``negatives.dedupe_corpus``; the same figure in every shard's dict),
+        "known": ObjectRef of the shard's ``known`` lookup (one shard only: its passages and the queries) or None,
+        "queries": queries embedded}``.
 
     Raises:
         StallError: the corpus pass stopped making progress (``ray.stall_limit_s``).
@@ -385,12 +466,21 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
     from pairmine.pipeline.ray_adapter import apply_stage, iter_block_refs, submit, watched
 
     n = cfg.negatives
+    from pairmine.operators.negatives import PassageKeys
+
+    query_units = query_units or []
+    dedupe = []
+    if n.dedupe_corpus:  # the set of passages seen, one actor per GiB of corpus input (its key range)
+        keys_actor = ray.remote(num_cpus=0)(PassageKeys)
+        dedupe = [keys_actor.remote() for _ in range(max(1, math.ceil(sum(s.size for s in corpus_shards) / 2 ** 30)))]
     chunk = Stage("chunk_corpus", partial(_ChunkCorpus, corpus_shards, text_column, id_column, spec,
-                                          cfg.storage_layer()), batch_size=1, num_cpus=light)
+                                          cfg.storage_layer(), query_units, make_read, dedupe), batch_size=1,
+                  num_cpus=light)
     embed = Stage("embed", partial(_make_corpus_embed, cfg, threads, device), batch_size=1, actors=actors,
                   num_cpus=embed_cpus, num_gpus=embed_gpus)
-    ds = ray.data.from_items([{"shard": i} for i in range(len(corpus_shards))],
-                             override_num_blocks=max(1, len(corpus_shards)))
+    items = [{"shard": i, "unit": -1} for i in range(len(corpus_shards))] + [
+        {"shard": -1, "unit": j} for j in range(len(query_units))]  # the corpus first, then the pairs' queries
+    ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
     ds = apply_stage(apply_stage(ds, chunk), embed)
     blocks: list[tuple] = []
     done = lambda: f"{sum(r for _, r, _ in blocks)} corpus batches of up to {_ChunkCorpus.per_row} passages " \
@@ -405,25 +495,61 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
     blocks = [b for b in blocks if b[1] > 0]
     total = sum(size for _, _, size in blocks)
     wanted = n.index_shards or max(1, math.ceil(total / (n.index_shard_mb * 2 ** 20)))
-    counts = ray.get(submit(_passages_in_block, [(ref,) for ref, _, _ in blocks], num_cpus=light))
+    both = ray.get(submit(_passages_in_block, [(ref,) for ref, _, _ in blocks], num_cpus=light))
+    counts, queries = [c for c, _ in both], sum(q for _, q in both)
+    if queries and wanted > 1:
+        log.info("the index is sharded: the %d queries embedded with the corpus are not used (the pairs pass embeds "
+                 "them)", queries)
     built = []
     for part in split_passages(counts, wanted) if sum(counts) else []:
+        # With one shard its task also takes the blocks that hold only queries, for the known lookup.
+        extra = [i for i, (c, q) in enumerate(both) if q and not c] if wanted == 1 else []
         refs = submit(build_index_shard, [(n.index, n.nprobe, n.ef_search, n.depth, n.recall_probes,
                                            cfg.resolved_prefix() if wanted == 1 else None,
-                                           [(lo, hi) for _, lo, hi in part], *[blocks[i][0] for i, _, _ in part])],
+                                           cfg.resolved_query_prefix(), dedupe, [(lo, hi) for _, lo, hi in part],
+                                           *[blocks[i][0] for i, _, _ in part], *[blocks[i][0] for i in extra])],
                       num_returns=3)[0]
         share = sum((hi - lo) / max(counts[i], 1) * blocks[i][2] for i, lo, hi in part)  # bytes of the slices
         built.append((refs, int(share)))
     blocks.clear()  # the tasks hold the blocks they need; the rest can leave the object store
     del ds
     infos = ray.get([refs[1] for refs, _ in built])
+    duplicates = sum(d for _, d in ray.get([a.count.remote() for a in dedupe]))
+    for actor in dedupe:
+        ray.kill(actor)
     shards, offset = [], 0
     for (refs, size), info in zip(built, infos):
-        shards.append({"ref": refs[0], "offset": offset, "memory": 2 * size, "known": refs[2], **info})
+        shards.append({"ref": refs[0], "offset": offset, "memory": 2 * size, "known": refs[2],
+                       "queries": queries if wanted == 1 else 0, "duplicates": duplicates, **info})
         offset += info["passages"]
     if len(shards) != wanted:
         log.info("negatives.index_shards: %d asked, %d built (one per corpus passage at most)", wanted, len(shards))
     return shards
+
+
+def model_dim(cfg: NegativesConfig) -> int:
+    """The embedding model's vector size, from its config (``hidden_size``; 1024 when the config does not say)."""
+    from transformers import AutoConfig
+
+    from pairmine.operators.embed import default_model_path
+
+    config = AutoConfig.from_pretrained(cfg.embed.model or default_model_path(),
+                                        trust_remote_code=cfg.embed.trust_remote_code)
+    return int(getattr(config, "hidden_size", 0) or 1024)
+
+
+def queries_with_corpus(cfg: NegativesConfig, kind: str, pairs: int) -> bool:
+    """Whether the corpus pass embeds the queries of the ``pairs`` pairs left to search as well, so that the pairs
+    pass takes every query vector (and every positive found in the corpus) from the index shard's ``known`` lookup and
+    starts no model of its own: when the index may be one shard (``negatives.index_shards`` 0 or 1; with several,
+    vectors are not looked up) and the queries' vectors fit the memory of one shard (``pairs x 4 x dim`` bytes at most
+    ``negatives.index_shard_mb``). Not for a mine run's groups (``kind`` "groups") when the query and passage prefixes
+    are equal: its queries are anchors, passages of the mined documents, already in the corpus when it is that run.
+    Otherwise the pairs pass embeds them, batch by batch."""
+    n = cfg.negatives
+    if kind == "groups" and cfg.resolved_query_prefix() == cfg.resolved_prefix():
+        return False
+    return 0 < pairs and n.index_shards <= 1 and pairs * 4 * model_dim(cfg) <= n.index_shard_mb * 2 ** 20
 
 
 def negatives(cfg: NegativesConfig) -> MineResult:
@@ -492,8 +618,10 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     t_corpus = time.time()
     phases = {"start": t_corpus - t0}  # wall seconds of each phase of the run (stats.json "phases_s")
     figures: list[dict] = []  # per-stage wall/busy/CPU seconds and rows, in pipeline order (stats.json "stages")
+    with_queries = queries_with_corpus(cfg, kind, sum(unit_rows[unit_key(u)] for u in todo))
     index_shards = build_corpus_index(cfg, corpus_shards, text_column, id_column, spec, threads, device, actors,
-                                      embed_cpus, embed_gpus, light, figures)
+                                      embed_cpus, embed_gpus, light, figures, todo if with_queries else None,
+                                      partial(_make_read, cfg, kind))
     phases["corpus"] = time.time() - t_corpus
     corpus_size = sum(s["passages"] for s in index_shards)
     if corpus_size == 0:
@@ -508,8 +636,12 @@ def negatives(cfg: NegativesConfig) -> MineResult:
         index_desc += f", {len(index_shards)} shards of {min(sizes)}-{max(sizes)} passages, merged exactly"
     recalls = [(s["recall"], s["passages"]) for s in index_shards if s["recall"] is not None]
     recall = sum(r * w for r, w in recalls) / sum(w for _, w in recalls) if recalls else None
-    log.info("corpus: %d passages embedded and indexed in %.1f s, %s%s", corpus_size, time.time() - t_corpus,
-             index_desc, "" if recall is None else f"; recall@{n.depth} against exact search {recall:.4f} "
+    queries_with = index_shards[0]["queries"]
+    duplicates = index_shards[0]["duplicates"]
+    log.info("corpus: %d passages%s%s embedded and indexed in %.1f s, %s%s", corpus_size,
+             f" ({duplicates} exact copies of another dropped)" if duplicates else "",
+             f" and {queries_with} queries" if queries_with else "", time.time() - t_corpus, index_desc,
+             "" if recall is None else f"; recall@{n.depth} against exact search {recall:.4f} "
              f"({min(n.recall_probes, corpus_size)} corpus passages per shard as probe queries)")
     # The pairs' embedder takes a positive's (or a query's) vector from the corpus when its prefixed text is there
     # (one shard only: with several, each pairs actor would have to hold every shard's vectors).
@@ -570,6 +702,8 @@ def negatives(cfg: NegativesConfig) -> MineResult:
         "negatives_dropped": dropped,
         "corpus_passages": corpus_size,
         "vectors_reused": int(total.get("vectors_reused", 0)),
+        "queries_embedded_with_corpus": queries_with,
+        "corpus_duplicates": duplicates,
         "index": index_desc,
         "index_recall_at_depth": recall,
         "shards": len(shards),

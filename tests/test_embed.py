@@ -111,6 +111,23 @@ def test_passages_cut_to_max_length_are_counted(fp32):
     assert truncated.tolist() == [True, False, False]
 
 
+def test_an_embedder_whose_passages_are_all_known_loads_no_model(fp32):
+    """A call whose every passage is known (the negatives pairs pass, when the corpus pass embedded the queries)
+    loads the tokenizer and the known vectors only: the model stays unloaded until a passage must be embedded."""
+    from pairmine.operators.embed import known_vectors
+
+    vectors = fp32.encode(SENTENCES)
+    e = Embedder(dtype="float32", device="cpu", known=lambda: known_vectors(SENTENCES, vectors))
+    e.setup_tokenizer()
+    assert e._model is None and e.dim == vectors.shape[1]
+    got = e.encode([SENTENCES[2], SENTENCES[0]])
+    assert e._model is None and e.last_reused.tolist() == [True, True]
+    assert np.array_equal(got, vectors[[2, 0]])
+    fresh = e.encode(["A sentence no one embedded before."])  # now the model loads
+    assert e._model is not None and not e.last_reused.any()
+    assert np.abs(fresh - fp32.encode(["A sentence no one embedded before."])).max() < 1e-6
+
+
 def test_known_vectors_are_reused_without_a_forward_pass(fp32):
     """The main pass of mine takes a passage's vector from the consistency pool when the pool pass computed it:
     the pool's vector itself, counted in ``reused``; the others are computed (equal to a plain encode to 1e-6)."""

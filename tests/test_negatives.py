@@ -23,6 +23,17 @@ from pairmine.operators.negatives import TeacherScores, select_negatives
 FIQA = Path(__file__).parent / "data" / "fiqa-pairs-beir"
 
 
+def _distinct(corpus: list[tuple[str, str]]) -> tuple[list[str], np.ndarray]:
+    """The (document id, passage) pairs of a corpus as the corpus pass indexes them (``negatives.dedupe_corpus``):
+    each passage text once, its document hash the smallest among its copies' documents."""
+    from pairmine.operators.consistency import doc_hash
+
+    docs: dict[str, int] = {}
+    for i, p in corpus:
+        docs[p] = min(docs.get(p, doc_hash(i)), doc_hash(i))
+    return list(docs), np.array(list(docs.values()), np.int64)
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "negatives", *args], capture_output=True,
                           text=True, timeout=900)
@@ -55,6 +66,13 @@ def test_rank_window_and_drop_reasons_by_hand():
     # A passage with the query's own text (row 2 here) is not a negative of it.
     kept, drops = select_negatives(ids, scores, text_hashes, doc_hashes, **window, query_text_hash=20)
     assert kept == [4, 5] and drops["query_duplicate"] == 1
+    # A corpus that repeats a passage: row 9 has row 2's text (ranks 4 and 5); it is kept once, and row 1 takes the
+    # second place.
+    repeated = text_hashes.copy()
+    repeated[9] = repeated[2]
+    kept, drops = select_negatives(ids, scores, repeated, doc_hashes, **window)
+    assert kept == [3, 5] and drops["negative_duplicate"] == 1 and drops["beyond_count"] == 0
+    assert len(kept) + sum(drops.values()) == 7
 
 
 def test_approximate_indexes_report_their_recall_against_exact_search():
@@ -213,7 +231,9 @@ def test_negatives_of_a_mine_run_with_a_teacher(tiny_run, tiny_teacher, teacher_
     for d in docs:
         for p in chunk_text(d["text"], token_limit=limit).passages:
             owners.setdefault(p, set()).add(d["id"])
-    assert stats["corpus_passages"] == sum(len(chunk_text(d["text"], token_limit=limit).passages) for d in docs)
+    # Each distinct passage is embedded and indexed once (this shard repeats none across its documents).
+    total = sum(len(chunk_text(d["text"], token_limit=limit).passages) for d in docs)
+    assert stats["corpus_passages"] == len(owners) and stats["corpus_duplicates"] == total - len(owners)
     by_group = {g["group_id"]: g for g in groups}
     for r in rows:
         g = by_group[r["pair_id"]]
@@ -221,7 +241,7 @@ def test_negatives_of_a_mine_run_with_a_teacher(tiny_run, tiny_teacher, teacher_
         assert len(r["negatives"]) == 7 and r["negative_ranks"] == sorted(r["negative_ranks"])
         assert all(31 <= k <= 200 for k in r["negative_ranks"])
         assert r["negative_scores"] == sorted(r["negative_scores"], reverse=True)
-        assert r["positive"] not in r["negatives"]
+        assert r["positive"] not in r["negatives"] and len(set(r["negatives"])) == 7
         assert not any(g["doc_id"] in owners[n] and len(owners[n]) == 1 for n in r["negatives"])  # no own-doc passage
         assert len(r["negative_teacher_scores"]) == 7 and r["teacher"] == tiny_teacher
     dropped = stats["negatives_dropped"]
@@ -293,13 +313,127 @@ def test_positives_and_queries_found_in_the_corpus_are_not_embedded_again(tiny_r
         assert run_row["positive_score"] == pytest.approx(b["positive_score"], abs=SCORE_ATOL)
 
 
+def test_passage_keys_claim_each_text_once_and_keep_the_smallest_document():
+    """The corpus pass's de-duplication set (one PassageKeys actor per key range), by hand: a key is claimed by its
+    first copy only, within a call and across calls; a key's document is the smallest among its copies'."""
+    from pairmine.operators.negatives import PassageKeys
+
+    keys = PassageKeys()
+    assert keys.claim(np.array([5, 3, 5, 9]), np.array([50, 30, 40, 90])).tolist() == [True, True, False, True]
+    assert keys.claim(np.array([3, 7, 9, 9]), np.array([10, 70, 95, 80])).tolist() == [False, True, False, False]
+    assert keys.documents(np.array([5, 3, 9, 7])).tolist() == [40, 10, 80, 70]
+    assert keys.count() == (4, 4)
+    rng = np.random.default_rng(0)
+    many, seen = rng.integers(-1000, 1000, 5000), PassageKeys()
+    first = np.concatenate([seen.claim(part, part * 2) for part in np.array_split(many, 7)])
+    assert first.sum() == len(np.unique(many)) == seen.count()[0] and np.array_equal(seen.keys, np.unique(many))
+    assert np.array_equal(np.unique(many[first]), np.unique(many))  # every distinct key claimed exactly once
+
+
+def test_outer_trim_and_lookup_forms():
+    """A text is looked up without its outer spaces and invisible characters only where the tokenizer gives the same
+    input ids (so the same vector): a BOM or a zero-width space before a positive (fiqa has one) leaves them."""
+    from transformers import AutoTokenizer
+
+    from pairmine.operators.embed import default_model_path
+    from pairmine.operators.negatives import lookup_forms, outer_trim
+
+    assert outer_trim(" \u200bYes. ") == "Yes." and outer_trim("\ufeff a\u00a0b\u00a0\n") == "a\u00a0b"
+    assert outer_trim("\u200b \t") == "" and outer_trim("inner\u200bspace") == "inner\u200bspace"
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    texts = [" \u200bEstimated costs ", "plain", "\ufeffBOM first", " \t "]
+    assert lookup_forms(tokenizer, 256, texts, "query: ") == ["Estimated costs", "plain", "BOM first", " \t "]
+    ids = tokenizer(["query: " + t for t in texts[:3]])["input_ids"]
+    assert ids == tokenizer(["query: Estimated costs", "query: plain", "query: BOM first"])["input_ids"]
+    assert lookup_forms(tokenizer, 256, ["same"], "") == ["same"]
+
+
+def test_the_corpus_pass_embeds_query_rows_with_the_query_prefix(tiny_model_dir):
+    """EmbedCorpus: corpus rows get the passage prefix, query rows the query prefix and their lookup form; every
+    vector is the one the Embedder gives the same prefixed text."""
+    from pairmine.operators.embed import Embedder, vector_matrix
+    from pairmine.operators.negatives import EmbedCorpus
+
+    kw = dict(model=str(tiny_model_dir), dtype="float32", device="cpu")
+    op = EmbedCorpus("query: ", passage_prefix="passage: ", **kw)
+    batch = pa.table({"passages": [["The mill by the river.", "Corn prices rose."], [" \u200bwhere is the mill? "]],
+                      "hashes": [[1, 1], [0]], "query_rows": [False, True]})
+    out = op(batch)
+    assert out.column("passages").to_pylist() == [["The mill by the river.", "Corn prices rose."],
+                                                 ["where is the mill?"]]
+    got, offsets = vector_matrix(out.column("vectors"))
+    assert offsets.tolist() == [0, 2, 3]
+    reference = Embedder(passage_prefix="passage: ", **kw)
+    want = np.concatenate([reference.encode(["The mill by the river.", "Corn prices rose."]),
+                           reference.encode(["where is the mill?"], prefix="query: ")])
+    assert np.abs(got - want).max() < 1e-6
+    assert np.abs(got[2] - reference.encode(["where is the mill?"])[0]).max() > 1e-3  # the prefix counts
+
+
+def test_queries_embedded_with_the_corpus_leave_the_pairs_pass_without_a_model(tiny_run, tiny_model_dir, tmp_path):
+    """Plain pairs whose queries are not corpus passages: the corpus pass embeds them (query prefix "query: "), the
+    pairs pass takes every query and positive vector from the index shard (the positives are corpus passages written
+    with outer whitespace and a zero-width space) and embeds nothing. The corpus holds 15 of its documents twice
+    (a second file, new ids): their passages are embedded and indexed once. The negatives are those of embedding every
+    pair afresh, in-process, against the distinct passages."""
+    import faiss
+
+    from pairmine.operators.embed import Embedder
+    from pairmine.operators.negatives import EmbedPairVectors, SearchShard, SelectNegatives, text_hash
+    from pairmine.pipeline.negatives import build_index
+    from tests.conftest import SCORE_ATOL
+
+    run_dir, _ = tiny_run
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    docs = pq.read_table(manifest["inputs"][0]["path"], columns=["id", "text"]).to_pylist()
+    limit = run_token_limit(manifest)
+    copies = [{"id": f"{d['id']}-copy", "text": d["text"]} for d in docs[:15]]
+    (tmp_path / "corpus").mkdir()
+    pq.write_table(pa.Table.from_pylist(docs), tmp_path / "corpus" / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(copies), tmp_path / "corpus" / "b.parquet")
+    corpus = [(d["id"], p) for d in docs + copies for p in chunk_text(d["text"], token_limit=limit).passages]
+    picked = corpus[::40][:12]
+    pairs = pa.table({"id": [f"q{k}" for k in range(len(picked))],
+                      "query": [f"what does this say: {' '.join(p.split()[:6][::-1])}?" for _, p in picked],
+                      "passage": [(" \u200b" if k % 2 else " ") + p + "\n" for k, (_, p) in enumerate(picked)]})
+    pq.write_table(pairs, tmp_path / "pairs.parquet")
+    proc = _cli("--input", str(tmp_path / "pairs.parquet"), "--corpus", str(tmp_path / "corpus"), "--output",
+                str(tmp_path),
+                "--run-id", "plain", "--set", f"embed.model={tiny_model_dir}", "--set", "embed.dtype=float32",
+                "--set", "embed.query_prefix=query: ", "--set", "negatives.rank_start=3",
+                "--set", "negatives.rank_end=40", "--set", "negatives.depth=40")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads((tmp_path / "plain" / "stats.json").read_text())
+    assert stats["reconciled"] and stats["pairs_out"] == len(picked)
+    assert stats["queries_embedded_with_corpus"] == len(picked)
+    assert stats["vectors_reused"] == 2 * len(picked)  # nothing embedded in the pairs pass
+    texts, doc_hashes = _distinct(corpus)
+    copied = sum(len(chunk_text(d["text"], token_limit=limit).passages) for d in copies)
+    assert stats["corpus_passages"] == len(texts) and stats["corpus_duplicates"] == len(corpus) - len(texts) == copied
+    assert f"({copied} exact copies of another dropped) and {len(picked)} queries embedded and indexed" in proc.stderr
+    rows = {r["pair_id"]: r for r in pq.read_table(tmp_path / "plain" / "negatives").to_pylist()}
+    resolved = json.loads((tmp_path / "plain" / "manifest.json").read_text())["resolved"]
+    assert resolved["query_prefix"] == "query: " != resolved["passage_prefix"]
+    embed = dict(model=str(tiny_model_dir), dtype="float32", passage_prefix=resolved["passage_prefix"])
+    blob = faiss.serialize_index(build_index(Embedder(**embed).encode(texts), "flat")[0])
+    arrays = (blob, np.array([text_hash(t) for t in texts]), doc_hashes, pa.array(texts))
+    batch = pairs.rename_columns(["pair_id", "query", "passage"]).append_column(
+        "doc_id", pa.nulls(len(picked), pa.string())).append_column("skip_reason", pa.nulls(len(picked), pa.string()))
+    want = SelectNegatives(3, 40, 7)(SearchShard(lambda: arrays, depth=40)(
+        EmbedPairVectors("query: ", **embed)(batch))).to_pylist()
+    for w in want:
+        got = rows[w["pair_id"]]
+        assert got["positive_score"] == pytest.approx(w["positive_score"], abs=SCORE_ATOL)
+        assert np.allclose(got["negative_scores"], w["negative_scores"], atol=SCORE_ATOL)
+        assert len(got["negatives"]) == len(w["negatives"]) == 7
+
+
 def test_a_sharded_index_finds_the_negatives_of_one_index(tiny_run, tmp_path):
     """negatives.index_shards=3: the corpus index is built by three Ray tasks from the embedded blocks (no corpus
     passage in the driver) and searched by three search actors in a chain; the negatives are those of one exact
     index over the whole corpus, computed here in-process."""
     import faiss
 
-    from pairmine.operators.consistency import doc_hash
     from pairmine.operators.embed import Embedder
     from pairmine.operators.negatives import EmbedPairVectors, SearchShard, SelectNegatives, text_hash
     from pairmine.pipeline.negatives import build_index
@@ -314,17 +448,17 @@ def test_a_sharded_index_finds_the_negatives_of_one_index(tiny_run, tmp_path):
     assert stats["reconciled"] and stats["pairs_out"] == len(pq.read_table(run_dir / "groups"))
     assert stats["index"].startswith("exact (faiss IndexFlatIP), 3 shards of ")
     assert stats["vectors_reused"] == 0  # with several shards every query and positive is embedded
+    assert stats["queries_embedded_with_corpus"] == 0  # and the corpus pass embeds no query
     rows = pq.read_table(out / "negatives").to_pylist()
     # One exact index over the whole corpus, in-process, on the same queries.
     manifest = json.loads((run_dir / "manifest.json").read_text())
     embed = {k: manifest["config"]["embed"][k] for k in ("model", "max_length", "dtype")}
     docs = pq.read_table(manifest["inputs"][0]["path"], columns=["id", "text"]).to_pylist()
     corpus = [(d["id"], p) for d in docs for p in chunk_text(d["text"], token_limit=run_token_limit(manifest)).passages]
-    assert stats["corpus_passages"] == len(corpus)
-    texts = [p for _, p in corpus]
+    texts, doc_hashes = _distinct(corpus)
+    assert stats["corpus_passages"] == len(texts) and stats["corpus_duplicates"] == len(corpus) - len(texts)
     blob = faiss.serialize_index(build_index(Embedder(**embed).encode(texts), "flat")[0])
-    arrays = (blob, np.array([text_hash(t) for t in texts]), np.array([doc_hash(i) for i, _ in corpus]),
-              pa.array(texts))
+    arrays = (blob, np.array([text_hash(t) for t in texts]), doc_hashes, pa.array(texts))
     batch = pa.table({"pair_id": [r["pair_id"] for r in rows], "doc_id": [r["doc_id"] for r in rows],
                       "query": [r["query"] for r in rows], "passage": [r["positive"] for r in rows],
                       "skip_reason": pa.nulls(len(rows), pa.string())})
