@@ -242,7 +242,7 @@ class Embedder:
 
     def setup_tokenizer(self) -> None:
         """Load the tokenizer and the ``known`` vectors once, not the model: an operator whose passages may all be
-        known (:meth:`encode_counted` loads the model only for a passage it has to embed) starts without torch."""
+        known (:meth:`encode_counted` loads the model only for a passage it has to embed) starts without loading it."""
         if getattr(self, "_tokenizer", None) is not None:
             return
         import transformers
