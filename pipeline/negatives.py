@@ -265,17 +265,8 @@ class _ChunkCorpus:
     def _first_copies(self, texts: list[str], hashes: list[int]) -> tuple[list[str], list[int]]:
         """The passages whose text no chunk task has claimed before (``dedupe``: the
         :class:`operators.negatives.PassageKeys` actors, one per key range)."""
-        import ray
-
-        from pairmine.operators.embed import text_keys
-
-        keys = text_keys(texts)
-        part = keys % len(self.dedupe)
-        first = np.zeros(len(texts), bool)
-        calls = [(idx, actor.claim.remote(keys[idx], np.asarray(hashes, np.int64)[idx]))
-                 for k, actor in enumerate(self.dedupe) if len(idx := np.flatnonzero(part == k))]
-        for idx, ref in calls:
-            first[idx] = ray.get(ref)
+        first = ask_key_ranges(self.dedupe, "claim", texts, np.asarray(hashes, np.int64),
+                               out=np.zeros(len(texts), bool))
         return [t for t, f in zip(texts, first) if f], [h for h, f in zip(hashes, first) if f]
 
     def _queries(self, unit: dict) -> list[str]:
@@ -303,6 +294,23 @@ class _ChunkCorpus:
         return pa.table({"passages": pa.array([r[0] for r in rows], pa.list_(pa.string())),
                          "hashes": pa.array([r[1] for r in rows], pa.list_(pa.int64())),
                          "query_rows": pa.array([r[2] for r in rows], pa.bool_())})
+
+
+def ask_key_ranges(actors: list, method: str, texts: list[str], *arrays: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Call ``method`` of the :class:`operators.negatives.PassageKeys` actors, each with the text keys
+    (:func:`operators.embed.text_keys`) of its key range (``key % len(actors)``) and the same rows of ``arrays``,
+    all at once; their (rows,) answers are written into ``out`` (n,) at those rows, which is returned."""
+    import ray
+
+    from pairmine.operators.embed import text_keys
+
+    keys = text_keys(texts)
+    part = keys % len(actors)
+    calls = [(idx, getattr(actor, method).remote(keys[idx], *(a[idx] for a in arrays)))
+             for k, actor in enumerate(actors) if len(idx := np.flatnonzero(part == k))]
+    for idx, ref in calls:
+        out[idx] = ray.get(ref)
+    return out
 
 
 def _rows_of(block: pa.Table, queries: bool) -> pa.Table:
@@ -345,16 +353,7 @@ def build_index_shard(kind: str, nprobe: int, ef_search: int, depth: int, probes
     vectors = np.ascontiguousarray(np.concatenate(mats), np.float32)  # (n, dim)
     doc_hashes = np.concatenate(hashes).astype(np.int64)
     if dedupe:
-        import ray
-
-        from pairmine.operators.embed import text_keys
-
-        keys = text_keys(texts)
-        part = keys % len(dedupe)
-        calls = [(idx, actor.documents.remote(keys[idx]))
-                 for k, actor in enumerate(dedupe) if len(idx := np.flatnonzero(part == k))]
-        for idx, ref in calls:
-            doc_hashes[idx] = ray.get(ref)
+        doc_hashes = ask_key_ranges(dedupe, "documents", texts, out=doc_hashes)
     index, desc = build_index(vectors, kind, nprobe, ef_search)
     recall = None if kind == "flat" else measure_recall(index, vectors, depth, probes)
     shard = (faiss.serialize_index(index), np.array([text_hash(t) for t in texts], np.int64), doc_hashes,
