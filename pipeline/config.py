@@ -138,7 +138,8 @@ class RayConfig:
     docs_per_batch: int = _f(64, 'documents (filter-pairs and negatives: pairs) per batch through the CPU stages and '
                              'the embedder')
     stall_warn_s: float = _f(60.0, "while no batch completes for this many seconds, log every as many seconds what Ray "
-                             "cannot place (or that a stage runs without finishing)")
+                             "cannot place (or, with nothing to place and after at least twice the longest gap "
+                             "between two batches so far, that a stage runs without finishing)")
     stall_limit_s: float = _f(1800.0, "end the run with an error after this many seconds without a completed batch (the "
                               "committed shards stay: the same --run-id resumes); 0: wait forever")
     target_block_mb: float = _f(1.0, "Ray Data block size target in MB; small blocks keep the stages streaming (progress, "

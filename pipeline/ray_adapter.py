@@ -254,10 +254,13 @@ class StallError(RuntimeError):
 def pending_demands() -> list[tuple[dict, int]]:
     """Resource bundles Ray has been asked for but cannot place now, with their counts: ``[({'CPU': 1.0}, 1)]``.
 
-    From the GCS's cluster status (what ``ray status`` prints as "Pending Demands"); empty when it cannot be read.
+    From the GCS's cluster status (what ``ray status`` prints as "Pending Demands"); empty when it cannot be read
+    or this process is not connected to a Ray.
     """
     import ray
 
+    if not ray.is_initialized():  # a diagnostic never starts a Ray (ray.get_runtime_context() would)
+        return []
     try:
         from ray.autoscaler.v2.sdk import get_cluster_status
 
@@ -307,7 +310,11 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
 
     While nothing arrives for ``warn_s`` seconds, a warning (:func:`stall_report`) is logged every ``warn_s``
     seconds (before the first item, while Ray has no demand it cannot place, an info line that the first batch is
-    on its way instead: on CPU a first batch takes a minute); after ``limit_s`` seconds without progress (0: never)
+    on its way instead: on CPU a first batch takes a minute). While Ray has no demand it cannot place (every stage
+    is running), the wait before "a stage is running but not finishing" is at least twice the longest wait between
+    two items so far (the first included): a pass whose every call takes longer than ``warn_s`` (1,024 long corpus
+    passages through a CPU embedder take ~80 s) is slow, not frozen, and is not warned about at each call; what
+    Ray cannot place is still reported after ``warn_s``. After ``limit_s`` seconds without progress (0: never)
     :class:`StallError` ends the wait, and Ctrl-C (KeyboardInterrupt) ends it the same way before it propagates.
     The iterator is drained in a daemon thread, so the wait can end even while Ray blocks. Before the error is
     raised, the driver's running Ray Data executions are shut down and the draining thread is given up to 30 s to
@@ -335,6 +342,7 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
     thread.start()
     last = warned = time.time()
     first = True  # nothing has arrived yet
+    longest = 0.0  # the longest wait between two items so far (the wait for the first included), seconds
     while True:
         try:
             kind, value = q.get(timeout=min(5.0, max(warn_s, 0.5)))
@@ -349,8 +357,11 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
                 _stop_execution(thread, q, error)
                 raise error
             if idle >= warn_s and now - warned >= warn_s:
+                placed = not pending_demands()  # every stage is running (nothing waits for resources)
+                if placed and not first and idle < 2 * longest:
+                    continue  # no longer than calls have taken so far: slow, not frozen
                 warned = now
-                if first and not pending_demands():
+                if first and placed:
                     # Before the first batch, with every stage placed: a first batch (model loads, a batch of
                     # documents through a CPU embedder) takes a while; not a warning yet.
                     log.info("nothing completed yet after %.0f s (%s): every stage is placed and running, the first "
@@ -362,7 +373,9 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
             return
         if kind == "error":
             raise value
-        last = warned = time.time()
+        now = time.time()
+        longest = max(longest, now - last)
+        last = warned = now
         first = False
         yield value
 

@@ -58,6 +58,40 @@ def test_a_stream_that_stops_is_reported_then_ended(caplog):
         list(watched((1 / 0 for _ in range(1)), [], lambda: "", 1, 5))
 
 
+def test_a_stream_slower_than_the_warning_is_not_called_frozen(caplog):
+    """Every item takes 1.2 s, longer than warn_s (0.5 s): a slow pass (a CPU embedder on 1,024 long passages per
+    call), not a frozen one, so no warning while items keep coming at that pace. Once they stop, the warning comes
+    after twice the longest wait so far (2.4 s) and the stall error at limit_s, as before."""
+    def stream():
+        for i in range(4):
+            time.sleep(1.2)
+            yield i
+        time.sleep(3600)
+
+    got, warned_at = [], []
+
+    class Mark(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                warned_at.append((len(got), time.time()))
+
+    mark = Mark()
+    logging.getLogger("pairmine").addHandler(mark)
+    try:
+        with caplog.at_level(logging.INFO), pytest.raises(StallError):
+            for item in watched(stream(), [Stage("embed", dict, actors=1)], lambda: f"{len(got)} / 9 batches", 0.5, 6):
+                got.append(item)
+                last = time.time()
+    finally:
+        logging.getLogger("pairmine").removeHandler(mark)
+    assert got == [0, 1, 2, 3]
+    assert warned_at, "the stop after the last item was not warned about"
+    assert all(n == 4 for n, _ in warned_at), warned_at  # none while items were arriving 1.2 s apart
+    assert 2.3 <= warned_at[0][1] - last < 6, warned_at[0][1] - last
+    # Before the first item, an info line (not a warning), as for any pass.
+    assert any("the first batch is still on its way" in r.message for r in caplog.records)
+
+
 def _embed_actors(root: int) -> list:
     import psutil
 
