@@ -6,11 +6,17 @@ the approximate indexes against exact search. Prints figures and ratios.
     python benchmarks/bench_negatives.py   # fiqa-pairs-beir (499 pairs, 1,236 answers with text), default model, CPU
     python benchmarks/bench_negatives.py --skip-search --copies 4   # the corpus 5x larger: start-up a small share
     python benchmarks/bench_negatives.py --skip-search --copies 4 --threads 1   # each model on one core
+    python benchmarks/bench_negatives.py --skip-search --copies 4 --dtype float32  # both sides in fp32
+    python benchmarks/bench_negatives.py --skip-search --copies 4 --threads 1 --embed-actors 2   # the whole machine:
+        # pairmine's 2 embed actors of 1 thread each against sentence-transformers with 2 threads
 
 What is timed:
   end to end   pairmine negatives (a subprocess: Ray start, corpus embedding, index, streaming pass, commit) and
-               mine_hard_negatives (one process: embeds corpus and queries, faiss search, range_min/range_max window,
-               num_negatives) on the same pairs and corpus; pairs/s and the ratio pairmine / sentence-transformers
+               mine_hard_negatives (a subprocess too, so that both start cold: imports, model load, embeds corpus
+               and queries, faiss search, range_min/range_max window, num_negatives) on the same pairs and corpus,
+               in the same compute dtype (pairmine's embed.dtype,
+               resolved once here: on a CPU with AMX ``auto`` is bf16 autocast, and sentence-transformers then runs
+               under the same ``torch.autocast``); pairs/s and the ratio pairmine / sentence-transformers
   search       on random unit vectors (N x dim, seeded): faiss IndexFlatIP top-depth + pairmine's window selection
                (operators.negatives.select_negatives), queries/s; IVF and HNSW queries/s and recall@depth vs exact
 """
@@ -46,11 +52,18 @@ def fiqa_pairs() -> tuple[list[dict], list[dict]]:
     return pairs, [{"id": d["_id"], "text": d["text"]} for d in corpus if d["text"].strip()]
 
 
-def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0, threads: int = 0) -> None:
+def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0, threads: int = 0,
+               dtype: str = "auto", embed_actors: int = 0) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pairmine.operators.embed import default_model_path
+    from pairmine.operators.embed import default_model_path, pick_dtype
+
+    # One compute dtype for both sides: pairmine's `auto` picks bf16 autocast on a CPU with AMX, and comparing that
+    # with sentence-transformers' fp32 would time the dtype, not the pipeline (2.07x on an AMX machine, 2026-12-04).
+    dtype = pick_dtype(dtype, "cpu")
+    if dtype not in ("float32", "bfloat16"):
+        sys.exit(f"--dtype {dtype}: on the CPU the comparison runs in float32 or bfloat16")
 
     pairs, docs = fiqa_pairs()
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,45 +85,70 @@ def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0, threads
                                # one passage per document, as sentence-transformers is given the corpus
                                "--set", "chunk.fit_model_length=false", "--set",
                                f"negatives.depth={depth}", "--set", f"negatives.rank_end={depth}", "--set",
-                               f"negatives.rank_start={rank_start}", "--set", f"negatives.count={count}"]
-                              + (["--set", f"embed.threads={threads}"] if threads else []),
+                               f"negatives.rank_start={rank_start}", "--set", f"negatives.count={count}",
+                               "--set", f"embed.dtype={dtype}", "--set", "embed.device=cpu"]
+                              + (["--set", f"embed.threads={threads}"] if threads else [])
+                              + (["--set", f"embed.num_actors={embed_actors}"] if embed_actors else []),
                               capture_output=True, text=True)
         pm_s = time.time() - t0
         if proc.returncode:
             sys.exit(proc.stderr[-3000:])
         stats = json.loads(Path(f"{tmp}/bench/stats.json").read_text())
-
-    from datasets import Dataset
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.util import mine_hard_negatives
-
-    if threads:  # sentence-transformers' encode and its faiss search with the same threads as pairmine's actor
-        import faiss
-        import torch
-
-        torch.set_num_threads(threads)
-        faiss.omp_set_num_threads(threads)
-    t0 = time.time()
-    model = SentenceTransformer(default_model_path(), device="cpu")
-    mined = mine_hard_negatives(Dataset.from_list([{"query": p["query"], "passage": p["passage"]} for p in pairs]),
-                                model, anchor_column_name="query", positive_column_name="passage",
-                                corpus=[d["text"] for d in docs], range_min=rank_start - 1, range_max=depth,
-                                num_negatives=count, sampling_strategy="top", output_format="n-tuple",
-                                use_faiss=True, batch_size=32, verbose=False)
-    st_s = time.time() - t0
+        # sentence-transformers in a process of its own too, so that both sides start cold (imports, model load)
+        job = {"model": default_model_path(), "pairs": [{"query": p["query"], "passage": p["passage"]} for p in pairs],
+               "corpus": [d["text"] for d in docs], "range_min": rank_start - 1, "range_max": depth, "count": count,
+               "threads": threads * max(embed_actors, 1), "dtype": dtype}
+        Path(f"{tmp}/st.json").write_text(json.dumps(job))
+        t0 = time.time()
+        st = subprocess.run([sys.executable, __file__, "--st-side", f"{tmp}/st.json"], capture_output=True, text=True)
+        st_s = time.time() - t0
+        if st.returncode:
+            sys.exit(st.stderr[-3000:])
+        mined_rows = json.loads(st.stdout.strip().splitlines()[-1])["rows"]
     n = len(pairs)
+    cores = f", {threads} thread(s) per model" if threads else ""
+    if embed_actors:
+        cores = (f", pairmine {embed_actors} embed actor(s) x {threads} thread(s) against {threads * embed_actors} "
+                 "sentence-transformers thread(s)")
     print(f"end to end, {n} pairs, corpus {len(docs)} passages, depth {depth}, window {rank_start}-{depth}, "
-          f"{count} negatives per pair, all-MiniLM-L6-v2 on CPU:")
+          f"{count} negatives per pair, all-MiniLM-L6-v2 on CPU, {dtype} on both sides"
+          f"{cores}; each side a process of its own, timed from its "
+          "start (imports and model load included):")
     print(f"  pairmine negatives      {pm_s:8.1f} s  {n / pm_s:8.2f} pairs/s  ({stats['negatives']} negatives; "
           "includes Ray start and the commit)")
     print(f"    vectors reused from the corpus: {stats.get('vectors_reused', 0)} of {2 * stats['pairs_out']} "
           "(queries and positives); its log's timings:")
     for line in proc.stderr.splitlines():
-        if "INFO" in line and any(k in line for k in ("passages embedded and indexed", "done in ")):
+        if "INFO" in line and any(k in line for k in ("embedded and indexed", "done in ", "phases (wall s)")):
             print("      " + line.strip()[:200])
-    print(f"  mine_hard_negatives     {st_s:8.1f} s  {n / st_s:8.2f} pairs/s  ({len(mined)} rows with {count} "
+    print(f"  mine_hard_negatives     {st_s:8.1f} s  {n / st_s:8.2f} pairs/s  ({mined_rows} rows with {count} "
           "negatives)")
     print(f"  ratio pairmine / sentence-transformers (pairs/s): {st_s / pm_s:.2f}x")
+
+
+def st_side(job_path: str) -> None:
+    """The sentence-transformers side of the end-to-end comparison, run as a process of its own (``--st-side``):
+    imports, model load and ``mine_hard_negatives`` on the job that :func:`end_to_end` wrote; prints {"rows": n}."""
+    import torch
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.util import mine_hard_negatives
+
+    job = json.loads(Path(job_path).read_text())
+    if job["threads"]:  # encode and its faiss search with the same threads as pairmine's actor
+        import faiss
+
+        torch.set_num_threads(job["threads"])
+        faiss.omp_set_num_threads(job["threads"])
+    model = SentenceTransformer(job["model"], device="cpu")
+    # pairmine's Embedder on a CPU: fp32 weights, bf16 autocast around the forward pass; the same here
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=job["dtype"] == "bfloat16"):
+        mined = mine_hard_negatives(
+            Dataset.from_list(job["pairs"]), model, anchor_column_name="query", positive_column_name="passage",
+            corpus=job["corpus"], range_min=job["range_min"], range_max=job["range_max"],
+            num_negatives=job["count"], sampling_strategy="top", output_format="n-tuple", use_faiss=True,
+            batch_size=32, verbose=False)
+    print(json.dumps({"rows": len(mined)}))
 
 
 def search(n: int, dim: int, queries: int, depth: int, rank_start: int, count: int) -> None:
@@ -159,13 +197,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0,
                     help="end to end: torch threads of both models (pairmine's embed.threads; sentence-transformers' "
                          "torch and faiss threads); 0: the defaults (the node's CPUs)")
+    ap.add_argument("--embed-actors", type=int, default=0,
+                    help="end to end: pairmine's embed.num_actors (the corpus pass's embed actors), each with --threads "
+                         "threads; sentence-transformers then gets actors x threads threads, the same cores "
+                         "(default 0: pairmine's default, one actor on a CPU node); needs --threads")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="end to end: compute dtype of both models (pairmine's embed.dtype; sentence-transformers under "
+                         "the same bf16 autocast); auto: what pairmine picks on this CPU (bf16 with AMX, else fp32)")
     ap.add_argument("--skip-end-to-end", action="store_true", help="only the search part")
     ap.add_argument("--skip-search", action="store_true", help="only the end-to-end comparison")
+    ap.add_argument("--st-side", metavar="JOB", help=argparse.SUPPRESS)  # the subprocess of the end-to-end part
     args = ap.parse_args()
+    if args.st_side:
+        return st_side(args.st_side)
+    if args.embed_actors and not args.threads:
+        ap.error("--embed-actors needs --threads (each actor's threads; sentence-transformers gets actors x threads)")
     if not args.skip_search:
         search(args.n, args.dim, args.queries, args.depth, args.rank_start, args.count)
     if not args.skip_end_to_end:
-        end_to_end(args.depth, args.rank_start, args.count, args.copies, args.threads)
+        end_to_end(args.depth, args.rank_start, args.count, args.copies, args.threads, args.dtype,
+                   args.embed_actors)
 
 
 if __name__ == "__main__":
