@@ -560,6 +560,27 @@ class SelectNegatives:
         return out.append_column("drops", pa.array([json.dumps(dict(drops))] + [None] * (n - 1), pa.string()))
 
 
+class SearchAndSelect:
+    """Search then select in one operator, for an index of one shard (the whole corpus): :class:`SearchShard`'s
+    candidate lists go straight into :class:`SelectNegatives` inside the same actor, so a pair's ``depth``
+    candidates (their texts included: ~200 KB a pair at depth 200 with 1,000-character passages) never pass through
+    Ray's object store; only its negatives do (``count`` texts). With several index shards the chain of search
+    stages has to carry the lists from shard to shard, and selection is a stage of its own.
+
+    Args:
+        search: the shard's :class:`SearchShard` (offset 0).
+        select: the run's :class:`SelectNegatives`.
+
+    Input and output columns: :class:`SearchShard`'s input, :class:`SelectNegatives`' output.
+    """
+
+    def __init__(self, search: SearchShard, select: SelectNegatives):
+        self.search, self.select = search, select
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return self.select(self.search(batch))
+
+
 class TeacherScores:
     """Teacher operator: a cross-encoder (any HuggingFace sequence-classification model with one output, e.g. the
     ms-marco MiniLM or bge rerankers) scores (query, positive) and every (query, negative) once, offline (seed 004:

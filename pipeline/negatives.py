@@ -15,7 +15,8 @@ by a cross-encoder teacher (seed 004, chapter 3: E5's second stage; SPEC "Hard n
              query's vector, and every positive's found in the corpus, from the shard, and loads no model
     read -> embed (query prefix / passage prefix) -> search (one actor per index shard, each holding its shard; the
              candidate lists merged exactly; an exact shard on a GPU plan is searched with torch on the GPU) ->
-             select (rank window) -> [teacher] -> write (staging)
+             select (rank window; in the search actor itself when the index is one shard, so that a pair's
+             candidate lists, depth texts, never pass through Ray's object store) -> [teacher] -> write (staging)
     commit   one part per input shard as soon as its pairs are written (pipeline.run_folder: a killed run re-run
              with its --run-id keeps committed shards and completed row groups, and searches only the rest; the
              corpus is embedded and indexed again), then stats.json (drop reasons counted), manifest.json, _SUCCESS
@@ -244,6 +245,12 @@ def _make_select(cfg: NegativesConfig):
 
     n = cfg.negatives
     return SelectNegatives(n.rank_start, n.rank_end, n.count, n.margin, n.relative_margin)
+
+
+def _make_search_select(shard_ref, cfg: NegativesConfig, threads: int, device: str):
+    from pairmine.operators.negatives import SearchAndSelect
+
+    return SearchAndSelect(_make_search(shard_ref, 0, cfg, threads, device), _make_select(cfg))
 
 
 class _ChunkCorpus:
@@ -661,12 +668,18 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     # shard is then searched on the GPU with torch; IVF/HNSW stay on faiss's CPU build).
     search_device = device if n.index == "flat" else "cpu"
     search_gpus = stage_plan.filter_gpus / len(index_shards) if search_device == "cuda" else 0.0
-    for k, shard in enumerate(index_shards):
-        stages.append(Stage("search" if len(index_shards) == 1 else f"search_shard_{k}",
-                            partial(_make_search, shard["ref"], shard["offset"], cfg, threads, search_device),
-                            batch_size=batch, actors=1, num_cpus=light / len(index_shards), num_gpus=search_gpus,
-                            memory=shard["memory"] if len(index_shards) > 1 else 0))
-    stages.append(Stage("select", partial(_make_select, cfg), batch_size=batch, num_cpus=light))
+    # With one shard the search actor also selects, so that the candidate lists (depth texts a pair) stay in it.
+    if len(index_shards) == 1:
+        stages.append(Stage("search_and_select", partial(_make_search_select, index_shards[0]["ref"], cfg, threads,
+                                                     search_device),
+                            batch_size=batch, actors=1, num_cpus=light, num_gpus=search_gpus))
+    else:
+        for k, shard in enumerate(index_shards):
+            stages.append(Stage(f"search_shard_{k}",
+                                partial(_make_search, shard["ref"], shard["offset"], cfg, threads, search_device),
+                                batch_size=batch, actors=1, num_cpus=light / len(index_shards), num_gpus=search_gpus,
+                                memory=shard["memory"]))
+        stages.append(Stage("select", partial(_make_select, cfg), batch_size=batch, num_cpus=light))
     if n.teacher:
         stages.append(Stage("teacher", partial(_make_teacher, cfg, device, threads), batch_size=batch, actors=actors,
                             num_cpus=embed_cpus, num_gpus=embed_gpus))

@@ -253,6 +253,9 @@ def test_negatives_of_a_mine_run_with_a_teacher(tiny_run, tiny_teacher, teacher_
     assert names[0].startswith("corpus: ") and any("embed" in n for n in names if n.startswith("corpus: "))
     pairs_stages = [f for f in stats["stages"] if not f["stage"].startswith("corpus: ")]
     assert any("teacher" in f["stage"] for f in pairs_stages)
+    # One index shard: the search actor selects too, so the candidate lists never leave it (no select stage).
+    assert any(f["stage"] == "search_and_select" for f in pairs_stages), names
+    assert not any("select" in f["stage"] for f in pairs_stages if f["stage"] != "search_and_select"), names
     assert pairs_stages[-1]["stage"].endswith("write_negatives") and pairs_stages[0]["rows_out"] == len(rows)
     assert all(f["tasks"] > 0 for f in stats["stages"]) and sum(f["busy_s"] for f in stats["stages"]) > 0
     assert "stage figures: " in proc.stderr and "phases (wall s): start " in proc.stderr
@@ -449,6 +452,9 @@ def test_a_sharded_index_finds_the_negatives_of_one_index(tiny_run, tmp_path):
     assert stats["index"].startswith("exact (faiss IndexFlatIP), 3 shards of ")
     assert stats["vectors_reused"] == 0  # with several shards every query and positive is embedded
     assert stats["queries_embedded_with_corpus"] == 0  # and the corpus pass embeds no query
+    names = [f["stage"] for f in stats["stages"]]  # the chain of three search actors, then the select stage
+    assert [n for n in names if n.startswith("search")] == ["search_shard_0", "search_shard_1", "search_shard_2"]
+    assert any(n.split("+")[0] == "select" for n in names), names
     rows = pq.read_table(out / "negatives").to_pylist()
     # One exact index over the whole corpus, in-process, on the same queries.
     manifest = json.loads((run_dir / "manifest.json").read_text())
