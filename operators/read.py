@@ -286,7 +286,8 @@ def check_column_types(path: str, schema: pa.Schema, text_columns=(), id_columns
         for name in names:
             if name in schema.names and not ok(schema.field(name).type):
                 raise ColumnTypeError(f"input {path}: column {name!r} has type {schema.field(name).type}, which is "
-                                      f"not {want}; point the column setting at another column or convert it")
+                                      f"not {want}; point its setting (input.text_column, input.id_column, "
+                                      "input.query_column, input.passage_column, ...) at another column or convert it")
 
 
 def _json_type(v) -> str:
@@ -315,7 +316,8 @@ def jsonl_text_column(records: list[dict | None], key: str, path: str, kind: str
         elif kind == "text" or isinstance(v, (list, dict)):
             want = "a string" if kind == "text" else "a string or a number"
             raise ColumnTypeError(f"input {path}: column {key!r} holds a JSON {_json_type(v)} in record {i + 1} "
-                                  f"({json.dumps(v)[:40]}), not {want}; point the column setting at a text field")
+                                  f"({json.dumps(v)[:40]}), not {want}; point its setting (input.text_column, "
+                                  "input.query_column, input.passage_column, ...) at a text field")
         else:
             values.append(str(v))
         repaired[i] = r is not None and key in getattr(r, "repaired", ())

@@ -175,6 +175,8 @@ def _make_filter(pool_ref, k: int, device: str, chunk_mb: float):
     return ConsistencyFilter(partial(_load_pool, pool_ref), k, device, chunk_mb)
 
 
+PROGRESS_EVERY_S = 10.0  # a pass over loose passages (the pool, a negatives corpus) logs its progress this often
+
 EMBED_CALL_PASSAGES = 1024  # passages per embed call of a pass over loose passages (the pool, a negatives corpus):
 # one progress step (~10 s on 2 CPU cores), many forward batches
 
@@ -209,10 +211,14 @@ def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage, 
                      dataclasses.replace(embed_stage, batch_size=1))
     mats, hashes = [], []
     done = lambda: f"{sum(len(m) for m in mats)} / {len(passages)} pool passages embedded"  # noqa: E731
+    logged = time.time()
     for batch in watched(ds.iter_batches(batch_size=None, batch_format="pyarrow"), [embed_stage], done,
                          stall_warn_s, stall_limit_s, hint):
         matrix, _ = vector_matrix(batch.column("vectors"))
         mats.append(matrix.copy())
+        if time.time() - logged >= PROGRESS_EVERY_S and len(mats) < len(rows):  # a long pass is not silent
+            logged = time.time()
+            log.info("pool: %s", done())
         hashes.append(batch.column("hashes").combine_chunks().flatten().to_numpy(zero_copy_only=False))
         if texts_out is not None:
             texts_out.extend(batch.column("passages").combine_chunks().flatten().to_pylist())

@@ -42,8 +42,8 @@ from pairmine.operators.read import InputError
 from pairmine.pipeline.config import ConfigError, NegativesConfig, run_chunk_spec
 from pairmine.pipeline.inputs import PoolSpec, Shard, check_parquet_shards, discover_shards, shard_pool
 from pairmine.pipeline.mine import (
-    EMBED_CALL_PASSAGES, MineResult, Progress, _load_pool, _shard_dict, check_model, model_id, new_run_id,
-    result_config,
+    EMBED_CALL_PASSAGES, PROGRESS_EVERY_S, MineResult, Progress, _load_pool, _shard_dict, check_model, model_id,
+    new_run_id, result_config,
 )
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
 from pairmine.pipeline.ray_adapter import (
@@ -491,10 +491,11 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
     blocks: list[tuple] = []
     done = lambda: f"{sum(r for _, r, _ in blocks)} corpus batches of up to {_ChunkCorpus.per_row} passages " \
         "embedded"  # noqa: E731
-    for i, item in enumerate(watched(iter_block_refs(ds), [chunk, embed], done, cfg.ray.stall_warn_s,
-                                     cfg.ray.stall_limit_s)):
+    logged = time.time()
+    for item in watched(iter_block_refs(ds), [chunk, embed], done, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s):
         blocks.append(item)
-        if (i + 1) % 20 == 0:
+        if time.time() - logged >= PROGRESS_EVERY_S:  # a long pass is not silent
+            logged = time.time()
             log.info("corpus: %s", done())
     if figures_out is not None:
         figures_out.extend(stage_figures(ds, "corpus: "))
@@ -690,7 +691,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
         hint = f"the shards committed so far stay in {run_dir}: run the same command with --run-id {run_id} to resume"
         folder.stream(stages, [_shard_dict(s) | {"index": s.index} for s in uncommitted], todo,
                       unit_rows,
-                      Progress(sum(unit_rows[unit_key(u)] for u in todo), unit="pairs", counted="negatives"),
+                      Progress(sum(unit_rows[unit_key(u)] for u in todo), unit="pairs", counted="pairs written"),
                       cfg.ray.stall_warn_s, cfg.ray.stall_limit_s, hint, figures, light)
         phases["pairs_pass"] = time.time() - t_pairs
 

@@ -322,7 +322,7 @@ class RunFolder:
                 i = pending.pop(ref)
                 self.records[i] = ray.get(ref)
                 log.info("shard %d committed: %s (%d %s)", i, self.records[i]["part"], self.records[i]["rows"],
-                         self.parts.count)
+                         self.parts.count.replace("_", " "))  # "groups", "pairs kept", "pairs out"
 
         def unit_done(key: tuple[int, int]) -> None:
             stats = unit_stats.pop(key, {})
