@@ -14,9 +14,9 @@ What is timed:
   end to end   pairmine negatives (a subprocess: Ray start, corpus embedding, index, streaming pass, commit) and
                mine_hard_negatives (a subprocess too, so that both start cold: imports, model load, embeds corpus
                and queries, faiss search, range_min/range_max window, num_negatives) on the same pairs and corpus,
-               in the same compute dtype (pairmine's embed.dtype,
-               resolved once here: on a CPU with AMX ``auto`` is bf16 autocast, and sentence-transformers then runs
-               under the same ``torch.autocast``); pairs/s and the ratio pairmine / sentence-transformers
+               in the same compute dtype (pairmine's embed.dtype, resolved once here: on a CPU with AMX ``auto`` is
+               bf16 autocast, and sentence-transformers then runs under the same ``torch.autocast``); pairs/s and
+               the ratio pairmine / sentence-transformers
   search       on random unit vectors (N x dim, seeded): faiss IndexFlatIP top-depth + pairmine's window selection
                (operators.negatives.select_negatives), queries/s; IVF and HNSW queries/s and recall@depth vs exact
 """
