@@ -44,3 +44,43 @@ def test_a_cluster_on_the_machine_is_joined_only_when_asked(head):
         where, gcs = _run(PROBE, *args, env_extra=env)
         assert _port(gcs) == head.port  # Ray reports the machine's address for 127.0.0.1
         assert where == f"cluster {gcs} (1 node(s), 1 CPUs, 0 GPUs)"
+
+
+REUSE = """
+import os, sys, time, ray
+from pairmine.pipeline.ray_adapter import init_ray
+init_ray(num_cpus=1)
+
+@ray.remote(num_cpus=0.25)
+def task():
+    time.sleep(1)
+    return os.getpid()
+
+first = set(ray.get([task.remote() for _ in range(4)]))  # tasks at once: several worker processes on 1 CPU
+time.sleep(5)  # all idle, longer than Ray's default 1 s
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+print(os.environ.get("RAY_idle_worker_killing_time_threshold_ms"))
+print(f"{len(first)} workers, {sum(map(alive, first))} alive")
+"""
+
+
+def test_a_private_ray_keeps_idle_task_workers():
+    # The fault: Ray ends a task worker after 1 s idle once a node has more workers than CPUs (light tasks take
+    # 0.5 CPU, actors hold workers too), so a pipeline whose tasks came seconds apart paid a new worker process
+    # (~1 s of CPU) for nearly every task: 18 worker processes in one negatives run on 2 CPUs.
+    setting, workers = _run(REUSE)
+    n, alive = map(int, workers.replace(" workers,", "").replace(" alive", "").split())
+    assert setting == "60000" and n >= 2 and alive == n
+    # Ray's default, for contrast: idle workers beyond the node's one CPU were ended.
+    setting, workers = _run(REUSE, env_extra={"RAY_idle_worker_killing_time_threshold_ms": "1000"})
+    n, alive = map(int, workers.replace(" workers,", "").replace(" alive", "").split())
+    assert setting == "1000" and n >= 2 and alive < n
