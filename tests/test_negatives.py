@@ -373,6 +373,22 @@ def test_the_corpus_pass_embeds_query_rows_with_the_query_prefix(tiny_model_dir)
     assert np.abs(got[2] - reference.encode(["where is the mill?"])[0]).max() > 1e-3  # the prefix counts
 
 
+def test_model_dim_reads_a_local_config_as_json(tiny_model_dir, tmp_path):
+    """The driver reads a local model folder's config.json (no transformers import, 2.9 s on this machine); the size
+    is the one transformers reports; a config without ``hidden_size`` gives 1024."""
+    from transformers import AutoConfig
+
+    from pairmine.pipeline.config import load_negatives_config
+    from pairmine.pipeline.negatives import model_dim
+
+    cfg = load_negatives_config(overrides=[f"embed.model={tiny_model_dir}"])
+    assert model_dim(cfg) == AutoConfig.from_pretrained(str(tiny_model_dir)).hidden_size
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 48}))
+    assert model_dim(load_negatives_config(overrides=[f"embed.model={tmp_path}"])) == 48
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert model_dim(load_negatives_config(overrides=[f"embed.model={tmp_path}"])) == 1024
+
+
 def test_queries_embedded_with_the_corpus_leave_the_pairs_pass_without_a_model(tiny_run, tiny_model_dir, tmp_path):
     """Plain pairs whose queries are not corpus passages: the corpus pass embeds them (query prefix "query: "), the
     pairs pass takes every query and positive vector from the index shard (the positives are corpus passages written
