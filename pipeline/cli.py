@@ -13,16 +13,51 @@ import textwrap
 from pairmine.pipeline import __version__
 
 
-def _config_reference(config_cls=None) -> str:
-    from pairmine.pipeline.config import MineConfig
+_PAIR_COLUMNS = ("input.pair_id_column", "input.query_column", "input.passage_column")
+_MINE_INPUT_KEYS = ("input.skip_duplicate_texts", "input.url_column", "input.incremental", "input.new_lineage")
+# One config class holds the keys of several commands (a TOML file may be shared); each command's --help lists the
+# sections it reads (config.COMMAND_SECTIONS) less these keys of them it does not read, with these help texts where
+# the command means something else than mine.
+CONFIG_KEYS_UNUSED = {"mine": _PAIR_COLUMNS, "filter-pairs": _MINE_INPUT_KEYS, "negatives": _MINE_INPUT_KEYS}
+CONFIG_HELP = {
+    "filter-pairs": {"input.path": "parquet/JSONL file, folder or glob of (query, passage) pairs (--input); required",
+                     "input.text_column": "with consistency.pool_path: the pool documents' text column or key",
+                     "input.id_column": "with consistency.pool_path: the pool documents' id column or key"},
+    "negatives": {"input.path": "the pairs (--input): a mine run folder, a filter-pairs run folder, or a parquet/JSONL "
+                                "file, folder or glob of (query, passage) pairs; required",
+                  "input.text_column": "the corpus documents' text column or key (--corpus)",
+                  "input.id_column": "the corpus documents' id column or key (a mine run's pairs: no negative from "
+                                     "the pair's own document)",
+                  "input.pair_id_column": "plain pairs: column or key holding the pair id (absent: 'shard:row')",
+                  "input.query_column": "plain pairs: column or key holding the query",
+                  "input.passage_column": "plain pairs: column or key holding the positive",
+                  "embed.query_prefix": 'None: from the model (its pairmine_model.json, else "query: " for E5, else "")'},
+}
 
+
+def _config_reference(config_cls=None, command: str = "mine") -> str:
+    """The "configuration keys" part of a command's --help: each key ``command`` reads (the sections of
+    :data:`pairmine.pipeline.config.COMMAND_SECTIONS` less :data:`CONFIG_KEYS_UNUSED`), its default and its help
+    (:data:`CONFIG_HELP` where the command's meaning differs), then the keys of the config class it leaves out."""
+    from pairmine.pipeline.config import COMMAND_SECTIONS, MineConfig
+
+    sections, notes = COMMAND_SECTIONS[command], CONFIG_HELP.get(command, {})
     lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
     cfg = (config_cls or MineConfig)()
+    unused = [s.name for s in dataclasses.fields(cfg) if s.name not in sections]
     for section in dataclasses.fields(cfg):
+        if section.name not in sections:
+            continue
         for f in dataclasses.fields(getattr(cfg, section.name)):
-            default = getattr(getattr(cfg, section.name), f.name)
-            lines.append(f"  {section.name}.{f.name} = {default!r}")
-            lines.append(f"      {f.metadata.get('help', '')}")
+            key = f"{section.name}.{f.name}"
+            if key in CONFIG_KEYS_UNUSED.get(command, ()):
+                unused.append(key)
+                continue
+            lines.append(f"  {key} = {getattr(getattr(cfg, section.name), f.name)!r}")
+            lines.append(f"      {notes.get(key, f.metadata.get('help', ''))}")
+    if unused:
+        lines.append(f"(a config file shared with other commands may hold their keys too: {', '.join(unused)}; "
+                     f"{command} does not read them)")
     return "\n".join(lines)
 
 
@@ -203,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="E5's consistency filter on existing (query, passage) pairs (seed 004, chapter 1): embed the query "
         "(query prefix) and the passage (passage prefix), and keep a pair iff fewer than k passages of a random pool "
         "beat its own score s = cos(query, passage). Writes one run folder like pairmine mine.",
-        epilog=FILTER_EPILOG + _config_reference(),
+        epilog=FILTER_EPILOG + _config_reference(command="filter-pairs"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     f.add_argument("--input", metavar="PAIRS", required=True, help="parquet or JSONL file, folder or glob of pairs")
@@ -262,7 +297,7 @@ def _add_negatives_parser(sub) -> None:
         description="Hard negatives for (query, positive) pairs: search a corpus with the pairs' embedder (faiss), "
         "keep negatives from a rank window, optionally score them once with a cross-encoder teacher. Writes one run "
         "folder like pairmine mine.",
-        epilog=NEGATIVES_EPILOG + _config_reference(NegativesConfig),
+        epilog=NEGATIVES_EPILOG + _config_reference(NegativesConfig, "negatives"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     n.add_argument("--input", metavar="RUN_OR_PAIRS", required=True, help="a pairmine mine run folder, a filter-pairs "

@@ -84,3 +84,29 @@ def test_each_command_validates_only_the_sections_it_uses(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--input", str(tmp_path),
                            "--set", "related.n_related=0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "related.n_related = 0 is not allowed" in proc.stderr
+
+
+def test_each_commands_help_lists_the_keys_it_reads():
+    """--help of negatives and filter-pairs lists their keys, not mine's anchors/related/tfidf; texts written for
+    mine (input.path: "empty: the sample") are replaced where the command means something else."""
+    import re
+
+    from pairmine.pipeline.cli import _config_reference
+    from pairmine.pipeline.config import NegativesConfig
+
+    def keys(text):
+        return set(re.findall(r"^  ([a-z_]+\.[a-z_]+) = ", text, re.M))
+
+    mine, pairs = _config_reference(), _config_reference(command="filter-pairs")
+    negatives = _config_reference(NegativesConfig, "negatives")
+    assert {"anchors.threshold", "related.rrf_k", "tfidf.seed", "input.incremental"} <= keys(mine)
+    assert not {"input.query_column", "input.pair_id_column"} & keys(mine)
+    assert {"consistency.k", "input.query_column", "input.text_column"} <= keys(pairs)
+    assert not {"anchors.threshold", "tfidf.seed", "input.url_column"} & keys(pairs)
+    assert {"negatives.depth", "negatives.corpus", "embed.query_prefix", "ray.stall_limit_s"} <= keys(negatives)
+    assert not [k for k in keys(negatives) if k.split(".")[0] in ("anchors", "related", "tfidf", "consistency")]
+    assert "the sample" in mine.split("input.path = ''\n")[1].splitlines()[0]
+    for text in (pairs, negatives):
+        assert "required" in text.split("input.path = ''\n")[1].splitlines()[0]
+        assert "the sample" not in text.split("input.path = ''\n")[1].splitlines()[0]
+    assert "negatives does not read them" in negatives.splitlines()[-1]
