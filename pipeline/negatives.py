@@ -608,13 +608,14 @@ def negatives(cfg: NegativesConfig) -> MineResult:
             embed_gpus = stage_plan.embed_gpus / 2
     actors = cfg.embed.num_actors or (stage_plan.gpus if stage_plan.device == "cuda" else 1)
     threads, device, light = stage_plan.threads, stage_plan.device, stage_plan.light_cpus
-    log.info("negatives run %s -> %s: %d input shard(s) (%s), corpus %s (%d file(s)); Ray %s", run_id, run_dir,
-             len(shards), "a mine run's groups: anchor -> s1" if kind == "groups" else "pairs", n.corpus,
-             len(corpus_shards), where)
 
     # ---- the pairs' layout (JSONL pairs decoded and type-checked here, before the corpus work) ----------------------
     columns = (cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column) if kind == "pairs" else None
     layouts = run_remote(_layout, [(s, storage, columns) for s in shards])
+    # Announced once the pairs passed their checks: a refused input names no run folder that is never made.
+    log.info("negatives run %s -> %s: %d input shard(s) (%s), corpus %s (%d file(s)); Ray %s", run_id, run_dir,
+             len(shards), "a mine run's groups: anchor -> s1" if kind == "groups" else "pairs", n.corpus,
+             len(corpus_shards), where)
     units, unit_rows = [], {}
     for shard, layout in zip(shards, layouts):
         offset = 0

@@ -546,6 +546,7 @@ def test_bad_input_is_one_line(tiny_run, tiny_model_dir, tmp_path):
                 "--set", "negatives.rank_end=1", "--set", "negatives.depth=1")
     assert proc.returncode == 2 and "pairmine: error: " in proc.stderr and "holds a JSON number" in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert "negatives run" not in proc.stderr  # no run folder announced that is never made
 
 
 @pytest.mark.slow  # the default model over fiqa-pairs-beir's corpus: ~3.5 minutes, a figure more than a check
