@@ -5,7 +5,8 @@ the approximate indexes against exact search. Prints figures and ratios.
     pip install -e '.[bench]'              # sentence-transformers' mining needs the datasets library
     python benchmarks/bench_negatives.py   # fiqa-pairs-beir (499 pairs, 1,236 answers with text), default model, CPU
     python benchmarks/bench_negatives.py --skip-search --copies 4   # the corpus 5x larger: start-up a small share
-    python benchmarks/bench_negatives.py --skip-search --copies 4 --threads 1   # each model on one core
+    python benchmarks/bench_negatives.py --skip-search --copies 4 --threads 1 --repeat 3   # each model on one core;
+        # 3 rounds, the sides alternating, medians compared (a shared machine's speed drifts)
     python benchmarks/bench_negatives.py --skip-search --copies 4 --dtype float32  # both sides in fp32
     python benchmarks/bench_negatives.py --skip-search --copies 4 --threads 1 --embed-actors 2   # the whole machine:
         # pairmine's 2 embed actors of 1 thread each against sentence-transformers with 2 threads
@@ -53,7 +54,7 @@ def fiqa_pairs() -> tuple[list[dict], list[dict]]:
 
 
 def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0, threads: int = 0,
-               dtype: str = "auto", embed_actors: int = 0) -> None:
+               dtype: str = "auto", embed_actors: int = 0, repeat: int = 1) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -78,33 +79,39 @@ def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0, threads
             corpus = reshuffled_corpus(corpus, copies, f"{tmp}/corpus")
             docs = pa.concat_tables([pq.read_table(f) for f in sorted(Path(corpus).glob("*.parquet"))]).to_pylist()
             docs = [d for d in docs if d["text"].strip()]
-        t0 = time.time()
-        proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "negatives", "--input",
-                               f"{tmp}/pairs.parquet", "--corpus", corpus, "--output", tmp,
-                               "--run-id", "bench", "--set", "chunk.max_words=100000",
-                               # one passage per document, as sentence-transformers is given the corpus
-                               "--set", "chunk.fit_model_length=false", "--set",
-                               f"negatives.depth={depth}", "--set", f"negatives.rank_end={depth}", "--set",
-                               f"negatives.rank_start={rank_start}", "--set", f"negatives.count={count}",
-                               "--set", f"embed.dtype={dtype}", "--set", "embed.device=cpu"]
-                              + (["--set", f"embed.threads={threads}"] if threads else [])
-                              + (["--set", f"embed.num_actors={embed_actors}"] if embed_actors else []),
-                              capture_output=True, text=True)
-        pm_s = time.time() - t0
-        if proc.returncode:
-            sys.exit(proc.stderr[-3000:])
-        stats = json.loads(Path(f"{tmp}/bench/stats.json").read_text())
+        pm_cmd = [sys.executable, "-m", "pairmine.pipeline.cli", "negatives", "--input",
+                  f"{tmp}/pairs.parquet", "--corpus", corpus, "--output", tmp,
+                  "--set", "chunk.max_words=100000",
+                  # one passage per document, as sentence-transformers is given the corpus
+                  "--set", "chunk.fit_model_length=false", "--set",
+                  f"negatives.depth={depth}", "--set", f"negatives.rank_end={depth}", "--set",
+                  f"negatives.rank_start={rank_start}", "--set", f"negatives.count={count}",
+                  "--set", f"embed.dtype={dtype}", "--set", "embed.device=cpu"] \
+            + (["--set", f"embed.threads={threads}"] if threads else []) \
+            + (["--set", f"embed.num_actors={embed_actors}"] if embed_actors else [])
         # sentence-transformers in a process of its own too, so that both sides start cold (imports, model load)
         job = {"model": default_model_path(), "pairs": [{"query": p["query"], "passage": p["passage"]} for p in pairs],
                "corpus": [d["text"] for d in docs], "range_min": rank_start - 1, "range_max": depth, "count": count,
                "threads": threads * max(embed_actors, 1), "dtype": dtype}
         Path(f"{tmp}/st.json").write_text(json.dumps(job))
-        t0 = time.time()
-        st = subprocess.run([sys.executable, __file__, "--st-side", f"{tmp}/st.json"], capture_output=True, text=True)
-        st_s = time.time() - t0
-        if st.returncode:
-            sys.exit(st.stderr[-3000:])
-        mined_rows = json.loads(st.stdout.strip().splitlines()[-1])["rows"]
+        pm_times, st_times = [], []
+        for k in range(repeat):  # the two sides alternate, so that a slower spell of the machine hits both
+            t0 = time.time()
+            proc = subprocess.run(pm_cmd + ["--run-id", f"bench{k}"], capture_output=True, text=True)
+            pm_times.append(time.time() - t0)
+            if proc.returncode:
+                sys.exit(proc.stderr[-3000:])
+            stats = json.loads(Path(f"{tmp}/bench{k}/stats.json").read_text())
+            t0 = time.time()
+            st = subprocess.run([sys.executable, __file__, "--st-side", f"{tmp}/st.json"], capture_output=True,
+                                text=True)
+            st_times.append(time.time() - t0)
+            if st.returncode:
+                sys.exit(st.stderr[-3000:])
+            mined_rows = json.loads(st.stdout.strip().splitlines()[-1])["rows"]
+            if repeat > 1:
+                print(f"  round {k + 1}/{repeat}: pairmine {pm_times[-1]:.1f} s, sentence-transformers "
+                      f"{st_times[-1]:.1f} s ({st_times[-1] / pm_times[-1]:.2f}x)", flush=True)
     n = len(pairs)
     cores = f", {threads} thread(s) per model" if threads else ""
     if embed_actors:
@@ -113,17 +120,21 @@ def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0, threads
     print(f"end to end, {n} pairs, corpus {len(docs)} passages, depth {depth}, window {rank_start}-{depth}, "
           f"{count} negatives per pair, all-MiniLM-L6-v2 on CPU, {dtype} on both sides"
           f"{cores}; each side a process of its own, timed from its "
-          "start (imports and model load included):")
+          "start (imports and model load included)" + (f"; the median of {repeat} alternating rounds" if repeat > 1
+                                                       else "") + ":")
+    pm_s, st_s = float(np.median(pm_times)), float(np.median(st_times))
     print(f"  pairmine negatives      {pm_s:8.1f} s  {n / pm_s:8.2f} pairs/s  ({stats['negatives']} negatives; "
           "includes Ray start and the commit)")
     print(f"    vectors reused from the corpus: {stats.get('vectors_reused', 0)} of {2 * stats['pairs_out']} "
-          "(queries and positives); its log's timings:")
+          "(queries and positives); its last run's log's timings:")
     for line in proc.stderr.splitlines():
         if "INFO" in line and any(k in line for k in ("embedded and indexed", "done in ", "phases (wall s)")):
             print("      " + line.strip()[:200])
     print(f"  mine_hard_negatives     {st_s:8.1f} s  {n / st_s:8.2f} pairs/s  ({mined_rows} rows with {count} "
           "negatives)")
-    print(f"  ratio pairmine / sentence-transformers (pairs/s): {st_s / pm_s:.2f}x")
+    print(f"  ratio pairmine / sentence-transformers (pairs/s): {st_s / pm_s:.2f}x"
+          + (f" (rounds: {min(b / a for a, b in zip(pm_times, st_times)):.2f}-"
+             f"{max(b / a for a, b in zip(pm_times, st_times)):.2f}x)" if repeat > 1 else ""))
 
 
 def st_side(job_path: str) -> None:
@@ -204,6 +215,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="end to end: compute dtype of both models (pairmine's embed.dtype; sentence-transformers under "
                          "the same bf16 autocast); auto: what pairmine picks on this CPU (bf16 with AMX, else fp32)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="end to end: rounds, the two sides alternating (pairmine, sentence-transformers, pairmine, "
+                         "...); the medians are compared. A shared machine's speed drifts by 10-15%% within minutes "
+                         "(2026-12-04: the same sentence-transformers job took 76-103 s in one hour), so one round "
+                         "each can show a ratio that is the drift's")
     ap.add_argument("--skip-end-to-end", action="store_true", help="only the search part")
     ap.add_argument("--skip-search", action="store_true", help="only the end-to-end comparison")
     ap.add_argument("--st-side", metavar="JOB", help=argparse.SUPPRESS)  # the subprocess of the end-to-end part
@@ -216,7 +232,7 @@ def main() -> None:
         search(args.n, args.dim, args.queries, args.depth, args.rank_start, args.count)
     if not args.skip_end_to_end:
         end_to_end(args.depth, args.rank_start, args.count, args.copies, args.threads, args.dtype,
-                   args.embed_actors)
+                   args.embed_actors, max(1, args.repeat))
 
 
 if __name__ == "__main__":
