@@ -16,18 +16,20 @@ from pairmine.pipeline import __version__
 _PAIR_COLUMNS = ("input.pair_id_column", "input.query_column", "input.passage_column")
 _MINE_INPUT_KEYS = ("input.skip_duplicate_texts", "input.url_column", "input.incremental", "input.new_lineage")
 # One config class holds the keys of several commands (a TOML file may be shared); each command's --help lists the
-# sections it reads (config.COMMAND_SECTIONS) less these keys of them it does not read, with these help texts where
-# the command means something else than mine.
-CONFIG_KEYS_UNUSED = {"mine": _PAIR_COLUMNS, "filter-pairs": _MINE_INPUT_KEYS, "negatives": _MINE_INPUT_KEYS}
+# sections it reads (config.COMMAND_SECTIONS) less these keys of them it does not read.
+CONFIG_KEYS_UNUSED = {"mine": _PAIR_COLUMNS + ("consistency.pool_path",), "filter-pairs": _MINE_INPUT_KEYS,
+                      "negatives": _MINE_INPUT_KEYS}
+# Help texts of the keys a command reads with another meaning than mine's (the field's own help is mine's).
 CONFIG_HELP = {
     "filter-pairs": {"input.path": "parquet/JSONL file, folder or glob of (query, passage) pairs (--input); required",
                      "input.text_column": "with consistency.pool_path: the pool documents' text column or key",
                      "input.id_column": "with consistency.pool_path: the pool documents' id column or key"},
     "negatives": {"input.path": "the pairs (--input): a mine run folder, a filter-pairs run folder, or a parquet/JSONL "
                                 "file, folder or glob of (query, passage) pairs; required",
-                  "input.text_column": "the corpus documents' text column or key (--corpus)",
-                  "input.id_column": "the corpus documents' id column or key (a mine run's pairs: no negative from "
-                                     "the pair's own document)",
+                  "input.text_column": "the corpus documents' text column or key (--corpus; a mine run folder as "
+                                       "the corpus uses its own)",
+                  "input.id_column": "the corpus documents' id column or key (as text_column; with a mine run's "
+                                     "groups, no negative comes from the group's own document)",
                   "input.pair_id_column": "plain pairs: column or key holding the pair id (absent: 'shard:row')",
                   "input.query_column": "plain pairs: column or key holding the query",
                   "input.passage_column": "plain pairs: column or key holding the positive",
@@ -44,7 +46,7 @@ def _config_reference(config_cls=None, command: str = "mine") -> str:
     sections, notes = COMMAND_SECTIONS[command], CONFIG_HELP.get(command, {})
     lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
     cfg = (config_cls or MineConfig)()
-    unused = [s.name for s in dataclasses.fields(cfg) if s.name not in sections]
+    unused = [f"[{s.name}]" for s in dataclasses.fields(cfg) if s.name not in sections]
     for section in dataclasses.fields(cfg):
         if section.name not in sections:
             continue
@@ -57,7 +59,7 @@ def _config_reference(config_cls=None, command: str = "mine") -> str:
             lines.append(f"      {notes.get(key, f.metadata.get('help', ''))}")
     if unused:
         lines.append(f"(a config file shared with other commands may hold their keys too: {', '.join(unused)}; "
-                     f"{command} does not read them)")
+                     f"{command} does not use them, though a run records them and its resume compares them)")
     return "\n".join(lines)
 
 

@@ -537,14 +537,18 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
 
 def model_dim(cfg: NegativesConfig) -> int:
     """The embedding model's vector size, from its config (``hidden_size``; 1024 when the config does not say). A
-    local model folder's ``config.json`` is read as JSON: importing transformers for it cost the driver 2.9 s."""
+    local model folder's ``config.json`` that states ``hidden_size`` is read as JSON (importing transformers for it
+    cost the driver 2.9 s); any other config goes through transformers' AutoConfig, which also knows the other names
+    of the size (DistilBERT's ``dim``, T5's ``d_model``) and each model type's default."""
     from pairmine.operators.embed import default_model_path
 
     path = cfg.embed.model or default_model_path()
     local = os.path.join(path, "config.json")
     if os.path.isfile(local):
         with open(local, encoding="utf-8") as f:
-            return int(json.load(f).get("hidden_size", 0) or 1024)
+            size = json.load(f).get("hidden_size")
+        if isinstance(size, int) and size > 0:
+            return size
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.embed.trust_remote_code)

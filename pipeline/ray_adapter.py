@@ -114,7 +114,7 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
         ray.init(address=address, runtime_env={"env_vars": env_vars} if env_vars else None, log_to_driver=True)
         return f"cluster {describe_cluster()}"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # Ray ends a task worker after 1 s idle once the node has as many workers as CPUs, and actors count: with an embed
+    # Ray ends a task worker after 1 s idle once the node has more workers than CPUs, and actors count: with an embed
     # actor busy, a pipeline whose tasks come seconds apart started a new worker process (~1 s of CPU) for nearly
     # every task (18 worker processes in one negatives run on 2 CPUs). Idle workers are kept IDLE_WORKER_KEEP_S here;
     # keeping them does not raise the peak number of workers, only when the idle ones go.

@@ -109,4 +109,5 @@ def test_each_commands_help_lists_the_keys_it_reads():
     for text in (pairs, negatives):
         assert "required" in text.split("input.path = ''\n")[1].splitlines()[0]
         assert "the sample" not in text.split("input.path = ''\n")[1].splitlines()[0]
-    assert "negatives does not read them" in negatives.splitlines()[-1]
+    assert "[anchors]" in negatives.splitlines()[-1] and "negatives does not use them" in negatives.splitlines()[-1]
+    assert "consistency.pool_path" not in keys(mine) and "consistency.pool_path" in keys(pairs)

@@ -374,19 +374,31 @@ def test_the_corpus_pass_embeds_query_rows_with_the_query_prefix(tiny_model_dir)
 
 
 def test_model_dim_reads_a_local_config_as_json(tiny_model_dir, tmp_path):
-    """The driver reads a local model folder's config.json (no transformers import, 2.9 s on this machine); the size
-    is the one transformers reports; a config without ``hidden_size`` gives 1024."""
+    """The driver reads a local model folder's config.json without importing transformers (2.9 s on this machine);
+    the size is the one transformers reports, also where the config names it otherwise (DistilBERT's ``dim``) or
+    leaves it to the model type's default."""
+    import subprocess
+    import sys
+
     from transformers import AutoConfig
 
     from pairmine.pipeline.config import load_negatives_config
     from pairmine.pipeline.negatives import model_dim
 
-    cfg = load_negatives_config(overrides=[f"embed.model={tiny_model_dir}"])
-    assert model_dim(cfg) == AutoConfig.from_pretrained(str(tiny_model_dir)).hidden_size
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 48}))
-    assert model_dim(load_negatives_config(overrides=[f"embed.model={tmp_path}"])) == 48
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    assert model_dim(load_negatives_config(overrides=[f"embed.model={tmp_path}"])) == 1024
+    def size(folder):
+        return model_dim(load_negatives_config(overrides=[f"embed.model={folder}"]))
+
+    assert size(tiny_model_dir) == AutoConfig.from_pretrained(str(tiny_model_dir)).hidden_size
+    probe = ("import sys; from pairmine.pipeline.config import load_negatives_config; "
+             "from pairmine.pipeline.negatives import model_dim; "
+             f"print(model_dim(load_negatives_config(overrides=['embed.model={tiny_model_dir}'])), "
+             "'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout.split()
+    assert out == [str(size(tiny_model_dir)), "False"]
+    for config in ({"model_type": "distilbert", "dim": 48, "n_heads": 4}, {"model_type": "bert"}):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert size(tmp_path) == AutoConfig.from_pretrained(str(tmp_path)).hidden_size
+    assert size(tmp_path) == 768  # bert's default
 
 
 def test_queries_embedded_with_the_corpus_leave_the_pairs_pass_without_a_model(tiny_run, tiny_model_dir, tmp_path):
