@@ -79,36 +79,46 @@ def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0, threads
             corpus = reshuffled_corpus(corpus, copies, f"{tmp}/corpus")
             docs = pa.concat_tables([pq.read_table(f) for f in sorted(Path(corpus).glob("*.parquet"))]).to_pylist()
             docs = [d for d in docs if d["text"].strip()]
-        pm_cmd = [sys.executable, "-m", "pairmine.pipeline.cli", "negatives", "--input",
-                  f"{tmp}/pairs.parquet", "--corpus", corpus, "--output", tmp,
-                  "--set", "chunk.max_words=100000",
-                  # one passage per document, as sentence-transformers is given the corpus
-                  "--set", "chunk.fit_model_length=false", "--set",
-                  f"negatives.depth={depth}", "--set", f"negatives.rank_end={depth}", "--set",
-                  f"negatives.rank_start={rank_start}", "--set", f"negatives.count={count}",
-                  "--set", f"embed.dtype={dtype}", "--set", "embed.device=cpu"] \
-            + (["--set", f"embed.threads={threads}"] if threads else []) \
-            + (["--set", f"embed.num_actors={embed_actors}"] if embed_actors else [])
+        pm_cmd = ([sys.executable, "-m", "pairmine.pipeline.cli", "negatives", "--input",
+                   f"{tmp}/pairs.parquet", "--corpus", corpus, "--output", tmp,
+                   "--set", "chunk.max_words=100000",
+                   # one passage per document, as sentence-transformers is given the corpus
+                   "--set", "chunk.fit_model_length=false", "--set",
+                   f"negatives.depth={depth}", "--set", f"negatives.rank_end={depth}", "--set",
+                   f"negatives.rank_start={rank_start}", "--set", f"negatives.count={count}",
+                   "--set", f"embed.dtype={dtype}", "--set", "embed.device=cpu"]
+                  + (["--set", f"embed.threads={threads}"] if threads else [])
+                  + (["--set", f"embed.num_actors={embed_actors}"] if embed_actors else []))
         # sentence-transformers in a process of its own too, so that both sides start cold (imports, model load)
         job = {"model": default_model_path(), "pairs": [{"query": p["query"], "passage": p["passage"]} for p in pairs],
                "corpus": [d["text"] for d in docs], "range_min": rank_start - 1, "range_max": depth, "count": count,
                "threads": threads * max(embed_actors, 1), "dtype": dtype}
         Path(f"{tmp}/st.json").write_text(json.dumps(job))
         pm_times, st_times = [], []
-        for k in range(repeat):  # the two sides alternate, so that a slower spell of the machine hits both
+
+        def pairmine_side(k):
             t0 = time.time()
             proc = subprocess.run(pm_cmd + ["--run-id", f"bench{k}"], capture_output=True, text=True)
             pm_times.append(time.time() - t0)
             if proc.returncode:
                 sys.exit(proc.stderr[-3000:])
-            stats = json.loads(Path(f"{tmp}/bench{k}/stats.json").read_text())
+            return proc, json.loads(Path(f"{tmp}/bench{k}/stats.json").read_text())
+
+        def st_side_run():
             t0 = time.time()
             st = subprocess.run([sys.executable, __file__, "--st-side", f"{tmp}/st.json"], capture_output=True,
                                 text=True)
             st_times.append(time.time() - t0)
             if st.returncode:
                 sys.exit(st.stderr[-3000:])
-            mined_rows = json.loads(st.stdout.strip().splitlines()[-1])["rows"]
+            return json.loads(st.stdout.strip().splitlines()[-1])["rows"]
+
+        for k in range(repeat):  # the sides alternate (A B B A ...), so that a slower spell or a cold page cache
+            if k % 2 == 0:       # falls on both
+                (proc, stats), mined_rows = pairmine_side(k), st_side_run()
+            else:
+                mined_rows = st_side_run()
+                proc, stats = pairmine_side(k)
             if repeat > 1:
                 print(f"  round {k + 1}/{repeat}: pairmine {pm_times[-1]:.1f} s, sentence-transformers "
                       f"{st_times[-1]:.1f} s ({st_times[-1] / pm_times[-1]:.2f}x)", flush=True)
@@ -216,8 +226,8 @@ def main() -> None:
                     help="end to end: compute dtype of both models (pairmine's embed.dtype; sentence-transformers under "
                          "the same bf16 autocast); auto: what pairmine picks on this CPU (bf16 with AMX, else fp32)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="end to end: rounds, the two sides alternating (pairmine, sentence-transformers, pairmine, "
-                         "...); the medians are compared. A shared machine's speed drifts by 10-15%% within minutes "
+                    help="end to end: rounds, the two sides alternating (pairmine, sentence-transformers, "
+                         "sentence-transformers, pairmine, ...); the medians are compared. A shared machine's speed drifts by 10-15%% within minutes "
                          "(2026-12-04: the same sentence-transformers job took 76-103 s in one hour), so one round "
                          "each can show a ratio that is the drift's")
     ap.add_argument("--skip-end-to-end", action="store_true", help="only the search part")
