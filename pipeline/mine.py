@@ -35,7 +35,8 @@ from pairmine.pipeline.inputs import (
     PoolSpec, check_parquet_shards, content_sha256, discover_shards, is_multipart_etag, sample_cut,
 )
 from pairmine.pipeline.ray_adapter import (
-    Stage, apply_stage, configure_data, init_ray, plan_for, stage_figures, timing_lines, watched,
+    PROGRESS_EVERY_S, Stage, apply_stage, configure_data, init_ray, plan_for, stage_figures, timing_lines,
+    watched,
 )
 from pairmine.pipeline.run_folder import (  # noqa: F401 - RunExistsError, merge_stats, write_json re-exported
     Parts, RunExistsError, RunFolder, merge_stats, read_json, unit_key, write_json,
@@ -175,8 +176,6 @@ def _make_filter(pool_ref, k: int, device: str, chunk_mb: float):
     return ConsistencyFilter(partial(_load_pool, pool_ref), k, device, chunk_mb)
 
 
-PROGRESS_EVERY_S = 10.0  # a pass over loose passages (the pool, a negatives corpus) logs its progress this often
-
 EMBED_CALL_PASSAGES = 1024  # passages per embed call of a pass over loose passages (the pool, a negatives corpus):
 # one progress step (~10 s on 2 CPU cores), many forward batches
 
@@ -211,14 +210,10 @@ def embed_pool(passages: list[str], doc_hashes: np.ndarray, embed_stage: Stage, 
                      dataclasses.replace(embed_stage, batch_size=1))
     mats, hashes = [], []
     done = lambda: f"{sum(len(m) for m in mats)} / {len(passages)} pool passages embedded"  # noqa: E731
-    logged = time.time()
     for batch in watched(ds.iter_batches(batch_size=None, batch_format="pyarrow"), [embed_stage], done,
-                         stall_warn_s, stall_limit_s, hint):
+                         stall_warn_s, stall_limit_s, hint, PROGRESS_EVERY_S, "pool"):
         matrix, _ = vector_matrix(batch.column("vectors"))
         mats.append(matrix.copy())
-        if time.time() - logged >= PROGRESS_EVERY_S and len(mats) < len(rows):  # a long pass is not silent
-            logged = time.time()
-            log.info("pool: %s", done())
         hashes.append(batch.column("hashes").combine_chunks().flatten().to_numpy(zero_copy_only=False))
         if texts_out is not None:
             texts_out.extend(batch.column("passages").combine_chunks().flatten().to_pylist())

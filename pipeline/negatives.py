@@ -43,7 +43,7 @@ from pairmine.operators.read import InputError
 from pairmine.pipeline.config import ConfigError, NegativesConfig, run_chunk_spec
 from pairmine.pipeline.inputs import PoolSpec, Shard, check_parquet_shards, discover_shards, shard_pool
 from pairmine.pipeline.mine import (
-    EMBED_CALL_PASSAGES, PROGRESS_EVERY_S, MineResult, Progress, _load_pool, _shard_dict, check_model, model_id,
+    EMBED_CALL_PASSAGES, MineResult, Progress, _load_pool, _shard_dict, check_model, model_id,
     new_run_id, result_config,
 )
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
@@ -470,7 +470,7 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
     """
     import ray
 
-    from pairmine.pipeline.ray_adapter import apply_stage, iter_block_refs, submit, watched
+    from pairmine.pipeline.ray_adapter import PROGRESS_EVERY_S, apply_stage, iter_block_refs, submit, watched
 
     n = cfg.negatives
     from pairmine.operators.negatives import PassageKeys
@@ -492,12 +492,9 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
     blocks: list[tuple] = []
     done = lambda: f"{sum(r for _, r, _ in blocks)} corpus batches of up to {_ChunkCorpus.per_row} passages " \
         "embedded"  # noqa: E731
-    logged = time.time()
-    for item in watched(iter_block_refs(ds), [chunk, embed], done, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s):
+    for item in watched(iter_block_refs(ds), [chunk, embed], done, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s,
+                        every_s=PROGRESS_EVERY_S, label="corpus"):
         blocks.append(item)
-        if time.time() - logged >= PROGRESS_EVERY_S:  # a long pass is not silent
-            logged = time.time()
-            log.info("corpus: %s", done())
     if figures_out is not None:
         figures_out.extend(stage_figures(ds, "corpus: "))
     blocks = [b for b in blocks if b[1] > 0]

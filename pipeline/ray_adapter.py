@@ -316,8 +316,16 @@ def stall_report(stages: list[Stage], idle_s: float, progress: str) -> str:
             f"but not finishing (a frozen or very slow worker?); stages: {busy}; {where}")
 
 
-def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: float, limit_s: float, hint: str = ""):
+PROGRESS_EVERY_S = 10.0  # a pass over loose passages (the pool, a negatives corpus) logs its progress this often
+
+
+def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: float, limit_s: float, hint: str = "",
+            every_s: float = 0.0, label: str = ""):
     """Yield from ``items`` (a Ray Data iterator), watching for a pipeline that stops making progress.
+
+    With ``every_s``, a long pass is not silent either: once the caller has taken an item, ``"label: progress()"``
+    is logged if ``every_s`` seconds have passed since the last such line (:data:`PROGRESS_EVERY_S` for the passes
+    over loose passages: the pool, a negatives corpus).
 
     While nothing arrives for ``warn_s`` seconds, a warning (:func:`stall_report`) is logged every ``warn_s``
     seconds (before the first item, while Ray has no demand it cannot place, an info line that the first batch is
@@ -351,7 +359,7 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
 
     thread = threading.Thread(target=drain, name="pairmine-stream", daemon=True)
     thread.start()
-    last = warned = time.time()
+    last = warned = logged = time.time()
     first = True  # nothing has arrived yet
     longest = 0.0  # the longest wait between two items so far (the wait for the first included), seconds
     while True:
@@ -389,6 +397,9 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
         last = warned = now
         first = False
         yield value
+        if every_s and time.time() - logged >= every_s:  # the caller has taken the item: progress() counts it
+            logged = time.time()
+            log.info("%s%s", f"{label}: " if label else "", progress())
 
 
 def _stop_execution(thread, q, error: Exception) -> None:

@@ -82,6 +82,29 @@ def test_a_stream_slower_than_the_warning_is_not_called_frozen(caplog):
     assert any("the first batch is still on its way" in r.message for r in caplog.records)
 
 
+def test_a_long_pass_logs_its_progress_every_every_s(caplog):
+    """watched(every_s=...): the pool and negatives corpus passes' progress lines, at most one per every_s, each
+    counting the items the caller has taken (not the one still in its hands)."""
+    def stream():
+        for i in range(6):
+            time.sleep(0.4)
+            yield i
+
+    got = []
+    with caplog.at_level(logging.INFO):
+        for item in watched(stream(), [], lambda: f"{len(got)} batches", 60, 0, every_s=1.0, label="corpus"):
+            got.append(item)
+    lines = [r for r in caplog.records if r.message.startswith("corpus: ")]
+    assert got == list(range(6)) and 1 <= len(lines) <= 2, [r.message for r in lines]
+    counts = [int(r.message.split()[1]) for r in lines]
+    assert counts == sorted(counts) and counts[0] >= 2  # 0.4 s apart: at least 1 s and two taken items in
+    assert all(b.created - a.created >= 1.0 for a, b in zip(lines, lines[1:]))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # without every_s: no progress lines
+        list(watched(stream(), [], lambda: "x", 60, 0))
+    assert not [r for r in caplog.records if r.levelno == logging.INFO]
+
+
 def _embed_actors(root: int) -> list:
     import psutil
 
