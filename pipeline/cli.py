@@ -39,13 +39,15 @@ CONFIG_HELP = {
 
 def _config_reference(config_cls=None, command: str = "mine") -> str:
     """The "configuration keys" part of a command's --help: each key ``command`` reads (the sections of
-    :data:`pairmine.pipeline.config.COMMAND_SECTIONS` less :data:`CONFIG_KEYS_UNUSED`), its default and its help
-    (:data:`CONFIG_HELP` where the command's meaning differs), then the keys of the config class it leaves out."""
+    :data:`pairmine.pipeline.config.COMMAND_SECTIONS` less :data:`CONFIG_KEYS_UNUSED`; a command not listed there,
+    train, reads every section of its class), its default and its help (:data:`CONFIG_HELP` where the command's
+    meaning differs), then the keys of the config class it leaves out."""
     from pairmine.pipeline.config import COMMAND_SECTIONS, MineConfig
 
-    sections, notes = COMMAND_SECTIONS[command], CONFIG_HELP.get(command, {})
+    notes = CONFIG_HELP.get(command, {})
     lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
     cfg = (config_cls or MineConfig)()
+    sections = COMMAND_SECTIONS.get(command) or [s.name for s in dataclasses.fields(cfg)]  # train: every section
     unused = [f"[{s.name}]" for s in dataclasses.fields(cfg) if s.name not in sections]
     for section in dataclasses.fields(cfg):
         if section.name not in sections:
@@ -140,13 +142,7 @@ examples:
 def _train_config_reference() -> str:
     from pairmine.pipeline.train_config import TrainConfig
 
-    lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
-    cfg = TrainConfig()
-    for section in dataclasses.fields(cfg):
-        for f in dataclasses.fields(getattr(cfg, section.name)):
-            lines.append(f"  {section.name}.{f.name} = {getattr(getattr(cfg, section.name), f.name)!r}")
-            lines.append(f"      {f.metadata.get('help', '')}")
-    return "\n".join(lines)
+    return _config_reference(TrainConfig, "train")
 
 
 def _add_train_parser(sub) -> None:
