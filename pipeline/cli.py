@@ -13,12 +13,6 @@ import textwrap
 from pairmine.pipeline import __version__
 
 
-_PAIR_COLUMNS = ("input.pair_id_column", "input.query_column", "input.passage_column")
-_MINE_INPUT_KEYS = ("input.skip_duplicate_texts", "input.url_column", "input.incremental", "input.new_lineage")
-# One config class holds the keys of several commands (a TOML file may be shared); each command's --help lists the
-# sections it reads (config.COMMAND_SECTIONS) less these keys of them it does not read.
-CONFIG_KEYS_UNUSED = {"mine": _PAIR_COLUMNS + ("consistency.pool_path",), "filter-pairs": _MINE_INPUT_KEYS,
-                      "negatives": _MINE_INPUT_KEYS}
 # Help texts of the keys a command reads with another meaning than mine's (the field's own help is mine's).
 CONFIG_HELP = {
     "filter-pairs": {"input.path": "parquet/JSONL file, folder or glob of (query, passage) pairs (--input); required",
@@ -39,10 +33,10 @@ CONFIG_HELP = {
 
 def _config_reference(config_cls=None, command: str = "mine") -> str:
     """The "configuration keys" part of a command's --help: each key ``command`` reads (the sections of
-    :data:`pairmine.pipeline.config.COMMAND_SECTIONS` less :data:`CONFIG_KEYS_UNUSED`; a command not listed there,
+    :data:`pairmine.pipeline.config.COMMAND_SECTIONS` less :data:`~pairmine.pipeline.config.COMMAND_KEYS_UNUSED`; a command not listed there,
     train, reads every section of its class), its default and its help (:data:`CONFIG_HELP` where the command's
     meaning differs), then the keys of the config class it leaves out."""
-    from pairmine.pipeline.config import COMMAND_SECTIONS, MineConfig
+    from pairmine.pipeline.config import COMMAND_KEYS_UNUSED, COMMAND_SECTIONS, MineConfig
 
     notes = CONFIG_HELP.get(command, {})
     lines = ["configuration keys (TOML [section] key = value, or --set section.key=value):"]
@@ -54,7 +48,7 @@ def _config_reference(config_cls=None, command: str = "mine") -> str:
             continue
         for f in dataclasses.fields(getattr(cfg, section.name)):
             key = f"{section.name}.{f.name}"
-            if key in CONFIG_KEYS_UNUSED.get(command, ()):
+            if key in COMMAND_KEYS_UNUSED.get(command, ()):
                 unused.append(key)
                 continue
             lines.append(f"  {key} = {getattr(getattr(cfg, section.name), f.name)!r}")

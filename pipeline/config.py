@@ -385,6 +385,22 @@ COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+_PAIR_COLUMNS = ("input.pair_id_column", "input.query_column", "input.passage_column")
+_MINE_INPUT_KEYS = ("input.skip_duplicate_texts", "input.url_column", "input.incremental", "input.new_lineage")
+# One config class holds the keys of several commands (a TOML file may be shared): the keys of a command's sections
+# (COMMAND_SECTIONS) that it does not read. Its --help leaves them out, and its run's recorded config too.
+COMMAND_KEYS_UNUSED: dict[str, tuple[str, ...]] = {"mine": _PAIR_COLUMNS + ("consistency.pool_path",),
+                                                   "filter-pairs": _MINE_INPUT_KEYS, "negatives": _MINE_INPUT_KEYS}
+
+
+def command_reads(command: str, key: str) -> bool:
+    """Whether ``command`` reads config key ``key`` ("section.name"): its section is one of the command's
+    (:data:`COMMAND_SECTIONS`; a command not listed there reads every section) and the key is not one of
+    :data:`COMMAND_KEYS_UNUSED`. ``command_reads("negatives", "related.n_related")`` is False."""
+    sections = COMMAND_SECTIONS.get(command)
+    return (sections is None or key.split(".", 1)[0] in sections) and key not in COMMAND_KEYS_UNUSED.get(command, ())
+
+
 def _only(checks: list, sections: typing.Iterable[str] | None) -> list:
     """The checks whose field lies in one of ``sections`` (all when None)."""
     if sections is None:

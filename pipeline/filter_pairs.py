@@ -141,7 +141,7 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         raise ConfigError("consistency.enabled = False: filter-pairs is the consistency filter and cannot run without it")
     shards = discover_shards(cfg.input.path, cfg.input.format, storage)
     prior = folder.check_new({"run_id": run_id, "inputs": [_shard_dict(s) for s in shards],
-                              "config": result_config(cfg)})
+                              "config": result_config(cfg, "filter-pairs")})
     check_parquet_shards(shards, (cfg.input.query_column, cfg.input.passage_column), storage,
                          text_columns=(cfg.input.query_column, cfg.input.passage_column))
     pool_shards = None
@@ -181,8 +181,8 @@ def filter_pairs(cfg: MineConfig) -> MineResult:
         pool_source = c.pool_path
     pool_passages, pool_hashes = pool_sample(candidates, c.pool_size, unique=True)
     del plans
-    todo = folder.open({"run_id": run_id, "inputs": [_shard_dict(s) for s in shards], "config": result_config(cfg)},
-                       units, unit_rows, "filter-pairs run")
+    todo = folder.open({"run_id": run_id, "inputs": [_shard_dict(s) for s in shards],
+                        "config": result_config(cfg, "filter-pairs")}, units, unit_rows, "filter-pairs run")
     uncommitted = [s for s in shards if s.index not in folder.records]
     actors, threads, device = stage_plan.embed_actors, stage_plan.threads, stage_plan.device
     batch, light = cfg.ray.docs_per_batch, stage_plan.light_cpus

@@ -229,11 +229,22 @@ _NOT_RESULT_FIELDS = {("input", "incremental"), ("input", "new_lineage"), ("embe
                       ("embed", "batch_size")}
 
 
-def result_config(cfg: MineConfig) -> dict:
-    """The part of the config that decides a run's groups (a resumed run must match it)."""
+def result_config(cfg: MineConfig, command: str = "mine") -> dict:
+    """The part of the config that decides the output of a ``command`` run (mine, filter-pairs, negatives): the
+    keys the command reads (:func:`pipeline.config.command_reads`) less those that do not change its rows. It is
+    recorded in the run's manifest, and a resumed run must match it, so a shared TOML file's keys of other commands
+    may change between attempts (``related.n_related`` does not stop a negatives run's resume).
+
+    Returns:
+        ``{section: {key: value}}``, sections in the config class's order.
+    """
+    from pairmine.pipeline.config import command_reads
+
     d = cfg.to_dict()
-    return {sec: {k: v for k, v in vals.items() if (sec, k) not in _NOT_RESULT_FIELDS}
-            for sec, vals in d.items() if sec not in _NOT_RESULT_KEYS}
+    out = {sec: {k: v for k, v in vals.items() if (sec, k) not in _NOT_RESULT_FIELDS and command_reads(command,
+                                                                                                       f"{sec}.{k}")}
+           for sec, vals in d.items() if sec not in _NOT_RESULT_KEYS}
+    return {sec: vals for sec, vals in out.items() if vals}
 
 
 LINEAGE_SECTIONS = ("chunk", "embed", "anchors", "related", "consistency", "tfidf")

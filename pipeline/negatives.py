@@ -592,7 +592,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     kind, shards = resolve_input(cfg, storage)
     corpus_shards, text_column, id_column, spec = resolve_corpus(cfg, storage)
     plan = {"run_id": run_id, "inputs": [_shard_dict(s) for s in shards] + [_shard_dict(s) for s in corpus_shards],
-            "config": result_config(cfg)}
+            "config": result_config(cfg, "negatives")}
     prior = folder.check_new(plan)
     check_model(cfg)
     if n.teacher:

@@ -111,3 +111,31 @@ def test_each_commands_help_lists_the_keys_it_reads():
         assert "the sample" not in text.split("input.path = ''\n")[1].splitlines()[0]
     assert "[anchors]" in negatives.splitlines()[-1] and "negatives does not use them" in negatives.splitlines()[-1]
     assert "consistency.pool_path" not in keys(mine) and "consistency.pool_path" in keys(pairs)
+
+
+def test_a_runs_recorded_config_holds_only_the_keys_its_command_reads():
+    """A TOML file shared by several commands: a key another command reads may change between a run's attempts
+    (resume), one its own command reads may not. The recorded config is what a resume compares."""
+    from pairmine.pipeline.config import COMMAND_SECTIONS, load_negatives_config
+    from pairmine.pipeline.mine import result_config
+    from pairmine.pipeline.run_folder import RunExistsError, check_resume
+
+    def plan(command, overrides):
+        cfg = (load_negatives_config(overrides=overrides) if command == "negatives" else
+               load_config(overrides=overrides, sections=COMMAND_SECTIONS[command]))
+        return {"inputs": [{"key": "a.parquet|1"}], "config": result_config(cfg, command)}
+
+    negatives = plan("negatives", [])["config"]
+    assert set(negatives) == {"input", "chunk", "embed", "negatives"}
+    assert "incremental" not in negatives["input"] and "query_column" in negatives["input"]
+    assert set(plan("filter-pairs", [])["config"]) == {"input", "chunk", "embed", "consistency"}
+    mine = plan("mine", [])["config"]
+    assert {"anchors", "related", "tfidf"} <= set(mine) and "query_column" not in mine["input"]
+    assert "pool_path" not in mine["consistency"] and "num_actors" not in mine["embed"]
+    for command, other, own in [("negatives", "related.n_related=3", "negatives.depth=300"),
+                                ("filter-pairs", "anchors.threshold=0.5", "consistency.k=7"),
+                                ("mine", "input.query_column=q", "anchors.threshold=0.5")]:
+        prior = plan(command, [])
+        check_resume(plan(command, [other]), prior, "r1")  # not this command's key: the resume goes on
+        with pytest.raises(RunExistsError, match=rf"another config \({own.split('=')[0]} differ"):
+            check_resume(plan(command, [own]), prior, "r1")
