@@ -104,7 +104,6 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
         return f"existing {describe_cluster()}"
     address = address or os.environ.get("RAY_ADDRESS", "")
     env_vars = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
-    runtime_env = {"env_vars": env_vars}
     if address and address != "local":
         # Inside a submitted Ray job, Ray refuses a ray.init runtime_env that sets a variable the job's own
         # runtime_env sets too: ours only fills in what the job left out.
@@ -119,9 +118,12 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
     # every task (18 worker processes in one negatives run on 2 CPUs). Idle workers are kept IDLE_WORKER_KEEP_S here;
     # keeping them does not raise the peak number of workers, only when the idle ones go.
     os.environ.setdefault("RAY_idle_worker_killing_time_threshold_ms", str(IDLE_WORKER_KEEP_S * 1000))
-    kwargs: dict[str, Any] = dict(
-        address="local", include_dashboard=False, runtime_env=runtime_env, logging_level=logging.WARNING
-    )
+    # The workers' variables go into this process's environment, which the private Ray's processes inherit, not
+    # into a job runtime_env: Ray gives a job with a runtime_env none of the workers it started with the node (they
+    # have no such env), so every task and actor waited for a new process while those idled (~1 s of CPU each).
+    for key, value in env_vars.items():
+        os.environ.setdefault(key, value)
+    kwargs: dict[str, Any] = dict(address="local", include_dashboard=False, logging_level=logging.WARNING)
     if num_cpus:
         kwargs["num_cpus"] = num_cpus
     ray.init(**kwargs)

@@ -84,3 +84,38 @@ def test_a_private_ray_keeps_idle_task_workers():
     setting, workers = _run(REUSE, env_extra={"RAY_idle_worker_killing_time_threshold_ms": "1000"})
     n, alive = map(int, workers.replace(" workers,", "").replace(" alive", "").split())
     assert setting == "1000" and n >= 2 and alive < n
+
+
+WARM = """
+import os, time, psutil, ray
+from pairmine.pipeline.ray_adapter import init_ray
+init_ray(num_cpus=2)
+time.sleep(3)  # the node's own workers start with it
+started = {p.pid for p in psutil.Process().children(recursive=True) if p.name() == "ray::IDLE"}  # idle workers
+
+@ray.remote(num_cpus=1)
+def task():
+    return os.getpid(), os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TOKENIZERS_PARALLELISM")
+
+@ray.remote(num_cpus=1)
+class Actor:
+    def where(self):
+        return os.getpid()
+
+pid, offline, parallel = ray.get(task.remote())
+actor = Actor.remote()
+print(offline, parallel, len(started), pid in started, ray.get(actor.where.remote()) in started)
+"""
+
+
+def test_a_private_rays_first_task_and_actor_take_the_workers_it_started():
+    # The fault: init_ray gave the job a runtime_env (its worker variables), and Ray gives a job with a runtime_env
+    # none of the workers a node starts with, which have no such env: every task and actor of a run waited for a new
+    # worker process (~1 s of CPU each, on the cores the first embed actor was starting on) while those idled.
+    out = subprocess.run([sys.executable, "-c", WARM], capture_output=True, text=True, timeout=240,
+                         env={k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "HF_HUB_OFFLINE",
+                                                                                 "TOKENIZERS_PARALLELISM")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    offline, parallel, started, task_warm, actor_warm = out.stdout.split()
+    assert (offline, parallel) == ("1", "false")  # the workers' variables still reach them
+    assert int(started) >= 2 and task_warm == actor_warm == "True"
