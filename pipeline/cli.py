@@ -33,9 +33,9 @@ CONFIG_HELP = {
 
 def _config_reference(config_cls=None, command: str = "mine") -> str:
     """The "configuration keys" part of a command's --help: each key ``command`` reads (the sections of
-    :data:`pairmine.pipeline.config.COMMAND_SECTIONS` less :data:`~pairmine.pipeline.config.COMMAND_KEYS_UNUSED`; a command not listed there,
-    train, reads every section of its class), its default and its help (:data:`CONFIG_HELP` where the command's
-    meaning differs), then the keys of the config class it leaves out."""
+    :data:`pairmine.pipeline.config.COMMAND_SECTIONS` less ``config.COMMAND_KEYS_UNUSED``; a command not listed
+    there, train, reads every section of its class), its default and its help (:data:`CONFIG_HELP` where the
+    command's meaning differs), then the keys of the config class it leaves out."""
     from pairmine.pipeline.config import COMMAND_KEYS_UNUSED, COMMAND_SECTIONS, MineConfig
 
     notes = CONFIG_HELP.get(command, {})

@@ -240,11 +240,13 @@ def result_config(cfg: MineConfig, command: str = "mine") -> dict:
     """
     from pairmine.pipeline.config import command_reads
 
-    d = cfg.to_dict()
-    out = {sec: {k: v for k, v in vals.items() if (sec, k) not in _NOT_RESULT_FIELDS and command_reads(command,
-                                                                                                       f"{sec}.{k}")}
-           for sec, vals in d.items() if sec not in _NOT_RESULT_KEYS}
-    return {sec: vals for sec, vals in out.items() if vals}
+    out = {}
+    for sec, vals in cfg.to_dict().items():
+        kept = {k: v for k, v in vals.items()
+                if (sec, k) not in _NOT_RESULT_FIELDS and command_reads(command, f"{sec}.{k}")}
+        if kept and sec not in _NOT_RESULT_KEYS:
+            out[sec] = kept
+    return out
 
 
 LINEAGE_SECTIONS = ("chunk", "embed", "anchors", "related", "consistency", "tfidf")
