@@ -55,7 +55,7 @@ def _config_reference(config_cls=None, command: str = "mine") -> str:
             lines.append(f"      {notes.get(key, f.metadata.get('help', ''))}")
     if unused:
         lines.append(f"(a config file shared with other commands may hold their keys too: {', '.join(unused)}; "
-                     f"{command} does not use them, though a run records them and its resume compares them)")
+                     f"{command} does not use them, and a resumed run may change them)")
     return "\n".join(lines)
 
 

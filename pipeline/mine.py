@@ -39,7 +39,7 @@ from pairmine.pipeline.ray_adapter import (
     watched,
 )
 from pairmine.pipeline.run_folder import (  # noqa: F401 - RunExistsError, merge_stats, write_json re-exported
-    Parts, RunExistsError, RunFolder, merge_stats, read_json, unit_key, write_json,
+    Parts, RunExistsError, RunFolder, merge_stats, read_json, run_kind, unit_key, write_json,
 )
 
 log = logging.getLogger("pairmine")
@@ -303,8 +303,9 @@ def choose_lineage(runs: list[dict], settings: dict, run_id: str, new_lineage: b
 
 
 def committed_runs(output: str, storage) -> list[dict]:
-    """The committed runs under ``output`` (folders with a ``_SUCCESS`` marker), oldest commit first: each the run's
-    manifest plus ``run_dir``. Uncommitted (running, interrupted) run folders are left out.
+    """The committed mine runs under ``output`` (folders with a ``_SUCCESS`` marker), oldest commit first: each the
+    run's manifest plus ``run_dir``. Uncommitted (running, interrupted) run folders and the runs of other commands
+    (negatives, filter-pairs: :func:`pipeline.run_folder.run_kind`) are left out.
 
     Raises:
         StorageError: the listing or a manifest cannot be read.
@@ -318,7 +319,8 @@ def committed_runs(output: str, storage) -> list[dict]:
             manifest = read_json(storage, f"{folder}/manifest.json")
         except FileNotFoundError:
             continue
-        runs.append({**manifest, "run_dir": folder})
+        if run_kind(folder, manifest, storage) == "mine":  # an output may hold negatives or filter-pairs runs too
+            runs.append({**manifest, "run_dir": folder})
     return sorted(runs, key=lambda m: (m.get("committed_utc") or m.get("created_utc") or "", m.get("run_id", "")))
 
 
@@ -658,7 +660,7 @@ def mine(cfg: MineConfig) -> MineResult:
                  phases_s={k: round(v, 2) for k, v in phases.items()})
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     manifest = {
-        "run_id": run_id,
+        "run_id": run_id, "job": "mine",
         "created_utc": (prior or {}).get("created_utc") or now,
         "committed_utc": now,
         "config": cfg.to_dict(),

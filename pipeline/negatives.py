@@ -50,7 +50,7 @@ from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
 from pairmine.pipeline.ray_adapter import (
     Stage, configure_data, init_ray, plan_for, run_remote, stage_figures, timing_lines,
 )
-from pairmine.pipeline.run_folder import Parts, RunFolder, unit_key
+from pairmine.pipeline.run_folder import RUN_DATA, Parts, RunFolder, run_kind, unit_key, wrong_kind
 
 log = logging.getLogger("pairmine")
 
@@ -67,12 +67,35 @@ def _run_manifest(path: str, storage) -> dict | None:
     return json.loads(storage.read_bytes(f"{path}/manifest.json"))
 
 
+def _run_folder(path: str, flag: str, storage) -> tuple[str, dict | None]:
+    """``path`` as ``--input``/``--corpus`` means it: (the path, with a committed run's data folder (``groups/``,
+    ``pairs/``) replaced by its run folder; the run's manifest, or None when it is not a committed run).
+
+    Raises:
+        InputError: ``path`` is a folder of run folders (one of them was meant), or a run without ``_SUCCESS``.
+    """
+    path = path.rstrip("/")
+    parent, _, name = path.rpartition("/")
+    if name in RUN_DATA.values() and parent and _run_manifest(parent, storage) is not None:
+        log.info("%s %s is the data folder of run %s: reading that run", flag, path, parent)
+        path = parent
+    _refuse_uncommitted(path, flag, storage)
+    manifest = _run_manifest(path, storage)
+    if manifest is None and (storage.info(path) or {}).get("type") == "directory":
+        folders = [c.rstrip("/") for c in storage.ls(path) if "." not in c.rstrip("/").rsplit("/", 1)[-1]][:50]
+        runs = [c for c in folders if storage.exists(f"{c}/{SUCCESS_MARKER}")]  # (data files have a suffix)
+        if runs:
+            raise InputError(f"{flag} {path} holds {len(runs)} pairmine run folder(s) ({runs[0]}, ...): give one of "
+                             "them")
+    return path, manifest
+
+
 def _refuse_uncommitted(path: str, flag: str, storage) -> None:
-    """A pairmine run folder (``groups/`` or ``pairs/`` inside) without ``_SUCCESS`` is an unfinished run: refused
-    with that said, rather than read as a folder of data files. Raises InputError."""
+    """A pairmine run folder (``groups/``, ``pairs/`` or ``negatives/`` inside) without ``_SUCCESS`` is an unfinished
+    run: refused with that said, rather than read as a folder of data files. Raises InputError."""
     if (storage.info(path) or {}).get("type") != "directory" or storage.exists(f"{path}/{SUCCESS_MARKER}"):
         return
-    for folder in ("groups", "pairs"):
+    for folder in RUN_DATA.values():
         if storage.exists(f"{path}/{folder}"):
             raise InputError(f"{flag} {path} is a pairmine run folder without {SUCCESS_MARKER}: the run is not "
                              "complete; finish it (the same command with its --run-id) or give a committed run")
@@ -110,9 +133,10 @@ def resolve_input(cfg: NegativesConfig, storage) -> tuple[str, list[Shard]]:
     """
     if not cfg.input.path:
         raise ConfigError("negatives needs --input: a pairmine mine run, a filter-pairs run, or parquet/JSONL pairs")
-    root = cfg.input.path.rstrip("/")
-    _refuse_uncommitted(root, "--input", storage)
-    run = _run_manifest(cfg.input.path, storage)
+    root, run = _run_folder(cfg.input.path, "--input", storage)
+    if run is not None and run_kind(root, run, storage) not in ("mine", "filter-pairs"):
+        raise InputError(wrong_kind(root, run_kind(root, run, storage), "mine or filter-pairs",
+                                    "give a mine run, a filter-pairs run, or parquet/JSONL (query, passage) pairs"))
     if run is not None:
         embed = (run.get("config") or {}).get("embed") or {}
         if not cfg.embed.model and embed.get("model"):
@@ -127,7 +151,7 @@ def resolve_input(cfg: NegativesConfig, storage) -> tuple[str, list[Shard]]:
     if run is not None and storage.exists(f"{root}/pairs"):
         cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column = "query", "passage", "pair_id"
         root = f"{root}/pairs"
-    shards = discover_shards(root if run is not None else cfg.input.path, cfg.input.format, storage)
+    shards = discover_shards(root, cfg.input.format, storage)
     check_parquet_shards(shards, (cfg.input.query_column, cfg.input.passage_column), storage,
                          text_columns=(cfg.input.query_column, cfg.input.passage_column))
     return "pairs", shards
@@ -143,8 +167,10 @@ def resolve_corpus(cfg: NegativesConfig, storage) -> tuple[list[Shard], str, str
     n = cfg.negatives
     if not n.corpus:
         raise ConfigError("negatives needs --corpus: documents (parquet/JSONL) or a pairmine mine run folder")
-    _refuse_uncommitted(n.corpus.rstrip("/"), "--corpus", storage)
-    run = _run_manifest(n.corpus, storage)
+    corpus, run = _run_folder(n.corpus, "--corpus", storage)
+    if run is not None and run_kind(corpus, run, storage) != "mine":
+        raise InputError(wrong_kind(corpus, run_kind(corpus, run, storage), "mine",
+                                    "give a mine run (its input is the corpus) or a folder of documents"))
     if run is not None and run.get("inputs"):
         config = run.get("config") or {}
         ic = config.get("input") or {}
@@ -153,7 +179,7 @@ def resolve_corpus(cfg: NegativesConfig, storage) -> tuple[list[Shard], str, str
         spec = PoolSpec(ALL_PASSAGES, 0, 1.0, 0, run_chunk_spec(run))
         return shards, ic.get("text_column", "text"), ic.get("id_column", "id"), spec
     try:
-        shards = discover_shards(n.corpus, "auto", storage)
+        shards = discover_shards(corpus, "auto", storage)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"negatives.corpus (--corpus): {e}") from None
     check_parquet_shards(shards, (cfg.input.text_column, cfg.input.id_column), storage)

@@ -32,6 +32,7 @@ import numpy as np
 from pairmine.operators.storage import LOCAL, Storage, join
 from pairmine.pipeline.evaluate import EvalInputError
 from pairmine.pipeline.provenance import SUCCESS_MARKER
+from pairmine.pipeline.run_folder import run_kind, wrong_kind
 
 log = logging.getLogger("pairmine")
 
@@ -65,6 +66,9 @@ def _load_run(run: str, storage: Storage = LOCAL) -> tuple[dict, dict]:
         manifest = json.loads(storage.read_bytes(join(run, "manifest.json")))
     except (OSError, ValueError) as e:
         raise EvalInputError(f"run {run}: cannot read stats.json/manifest.json: {e}") from None
+    kind = run_kind(run, manifest, storage)
+    if kind != "mine":
+        raise EvalInputError(wrong_kind(run, kind, "mine", "pairmine report shows what a mine run mined (its groups)"))
     return stats, manifest
 
 

@@ -39,6 +39,29 @@ STAGING_DIR = "_staging"
 LATEST_POINTER = "_latest.json"  # beside the run folders: the most recently committed run (format 1, see README)
 
 
+RUN_DATA = {"mine": "groups", "filter-pairs": "pairs", "negatives": "negatives"}  # a run's kind -> its data folder
+
+
+def run_kind(run: str, manifest: dict, storage) -> str | None:
+    """What wrote the committed run folder ``run``: "mine", "filter-pairs" or "negatives" (its manifest's ``job``;
+    a mine run committed before mine recorded it has ``lineage`` or a ``groups/`` folder), or None (a training
+    run's output, or not a pairmine run). Used to refuse a run of the wrong kind with what it is, and so that an
+    output folder holding runs of several commands lists the mine runs as a lineage's (``--incremental``)."""
+    if manifest.get("job"):
+        return manifest["job"]
+    if "lineage" in manifest or storage.exists(f"{run.rstrip('/')}/groups"):
+        return "mine"
+    return next((kind for kind, folder in RUN_DATA.items() if storage.exists(f"{run.rstrip('/')}/{folder}")), None)
+
+
+def wrong_kind(run: str, kind: str | None, wanted: str, hint: str = "") -> str:
+    """The one-line reason a ``wanted`` run was expected at ``run`` and a run of ``kind`` was found (see
+    :func:`run_kind`), with ``hint`` (what to give instead) after it."""
+    what = f"a pairmine {kind} run (it holds {RUN_DATA[kind]}/)" if kind in RUN_DATA else \
+        "not a run of pairmine mine, filter-pairs or negatives"
+    return f"{run} is {what}, not a {wanted} run" + (f"; {hint}" if hint else "")
+
+
 class RunExistsError(RuntimeError):
     """The run folder already holds a committed run (a ``_SUCCESS`` marker), or an attempt with other inputs or
     config."""

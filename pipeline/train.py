@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from pairmine.pipeline import __version__
 from pairmine.pipeline.provenance import SUCCESS_MARKER, software_versions
+from pairmine.pipeline.run_folder import run_kind, wrong_kind
 from pairmine.pipeline.config import ConfigError
 from pairmine.pipeline.inputs import InputError
 from pairmine.pipeline.train_config import TrainConfig
@@ -115,8 +116,8 @@ def find_group_parts(groups: str, storage=None, folder: str = "groups") -> tuple
         (part paths sorted, run folder), both absolute (local) or with the URL's protocol.
 
     Raises:
-        FileNotFoundError: the folder does not exist. InputError: no _SUCCESS marker (the run is incomplete) or no
-        parts.
+        FileNotFoundError: the folder does not exist. InputError: a committed run of another command (said what it
+        is), no _SUCCESS marker (the run is incomplete) or no parts.
     """
     from pairmine.operators.storage import LOCAL
 
@@ -128,6 +129,13 @@ def find_group_parts(groups: str, storage=None, folder: str = "groups") -> tuple
     if info.get("type") != "directory":
         raise InputError(f"{folder} {groups} is a file; give the run folder of {job} (with {folder}/ and _SUCCESS)")
     root = storage.absolute(groups.rstrip("/"))
+    if not storage.exists(f"{root}/{folder}") and storage.exists(f"{root}/{SUCCESS_MARKER}") \
+            and storage.exists(f"{root}/manifest.json"):  # a committed run of another command
+        kind = run_kind(root, json.loads(storage.read_bytes(f"{root}/manifest.json")), storage)
+        hint = {("groups", "negatives"): "train on it with --negatives",
+                ("negatives", "mine"): "train on it with --groups, or mine its hard negatives first (pairmine "
+                                       "negatives --input RUN --corpus CORPUS) and give that run to --negatives"}
+        raise InputError(wrong_kind(groups, kind, job.split()[1], hint.get((folder, kind), "")))
     run = root if storage.exists(f"{root}/{folder}") else root.rsplit("/", 1)[0]
     if not storage.exists(f"{run}/{SUCCESS_MARKER}"):
         raise InputError(f"{folder} {groups}: no {SUCCESS_MARKER} marker in {run}, so the run is not complete "

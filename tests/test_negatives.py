@@ -561,6 +561,49 @@ def test_bad_input_is_one_line(tiny_run, tiny_model_dir, tmp_path):
     assert "negatives run" not in proc.stderr  # no run folder announced that is never made
 
 
+def test_a_run_of_the_wrong_kind_is_named(tiny_run, teacher_run, tmp_path):
+    """Runs of mine, negatives and filter-pairs share an output layout: given where another kind is wanted, each
+    command says what the run is (one line, exit 2, no folder written), and an output folder holding both kinds
+    lists only the mine runs as a lineage's (mine --incremental picked a negatives run as the latest)."""
+    import shutil
+
+    from pairmine.operators.storage import LOCAL
+    from pairmine.pipeline.mine import committed_runs
+    from pairmine.pipeline.negatives import _run_folder
+
+    run_dir, _ = tiny_run
+    neg_dir, _ = teacher_run
+
+    def cli(*args):
+        proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", *args], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        return proc.stderr.strip().splitlines()[-1]
+
+    negatives_run = f"{neg_dir} is a pairmine negatives run (it holds negatives/)"
+    assert cli("negatives", "--input", str(neg_dir), "--corpus", str(run_dir), "--output", str(tmp_path)) == (
+        f"pairmine: error: {negatives_run}, not a mine or filter-pairs run; give a mine run, a filter-pairs run, "
+        "or parquet/JSONL (query, passage) pairs")
+    assert cli("negatives", "--input", str(run_dir), "--corpus", str(neg_dir), "--output", str(tmp_path)) == (
+        f"pairmine: error: {negatives_run}, not a mine run; give a mine run (its input is the corpus) or a folder "
+        "of documents")
+    assert f"--input {run_dir.parent} holds 1 pairmine run folder(s) ({run_dir}, ...): give one of them" in cli(
+        "negatives", "--input", str(run_dir.parent), "--corpus", str(run_dir), "--output", str(tmp_path))
+    assert f"{negatives_run}, not a mine run; pairmine report shows" in cli("report", str(neg_dir))
+    assert not (neg_dir / "report").exists()
+    assert f"{negatives_run}, not a mine run; train on it with --negatives" in cli(
+        "train", "--groups", str(neg_dir), "--output", str(tmp_path / "t"))
+    assert f"{run_dir} is a pairmine mine run (it holds groups/), not a negatives run; train on it with --groups" in \
+        cli("train", "--negatives", str(run_dir), "--output", str(tmp_path / "t"))
+    # A run's data folder stands for the run (train --groups takes one too).
+    path, manifest = _run_folder(f"{run_dir}/groups/", "--input", LOCAL)
+    assert path == str(run_dir) and manifest["run_id"] == "tiny"
+    out = tmp_path / "runs"
+    shutil.copytree(run_dir, out / "tiny")
+    shutil.copytree(neg_dir, out / "neg")
+    assert [r["run_id"] for r in committed_runs(str(out), LOCAL)] == ["tiny"]
+
+
 @pytest.mark.slow  # the default model over fiqa-pairs-beir's corpus: ~3.5 minutes, a figure more than a check
 def test_the_window_holds_fewer_judged_relevant_passages_than_the_top_of_the_list(tmp_path):
     """Seed 004: the top of the retrieved list is where unlabelled positives sit. On fiqa-pairs-beir (qrels judge the
