@@ -26,6 +26,7 @@ from pairmine.operators.storage import LOCAL, Storage
 
 NULL_QUERY, EMPTY_QUERY, NULL_PASSAGE, EMPTY_PASSAGE = "null_query", "empty_query", "null_passage", "empty_passage"
 PAIR_SKIP_REASONS = (INVALID_JSON, NULL_QUERY, EMPTY_QUERY, NULL_PASSAGE, EMPTY_PASSAGE)
+INVISIBLE_ONLY = r"^[\s\p{Z}\p{Cc}\p{Cf}]*$"  # (RE2) a text with nothing to read: its skip reason is empty_*
 
 PAIR_SCHEMA = pa.schema(
     [
@@ -81,11 +82,13 @@ def read_pair_columns(path: str, fmt: str, row_group: int, query_column: str, pa
 
 
 def pair_skip_reasons(queries: pa.Array, passages: pa.Array, invalid: np.ndarray | None) -> pa.Array:
-    """Skip reason per pair (null = usable): invalid_json, null/empty (or whitespace-only) query or passage."""
+    """Skip reason per pair (null = usable): invalid_json, null or empty query or passage. Empty: nothing but
+    whitespace, control and format characters (a zero-width space, a soft hyphen, a BOM, NUL: Unicode categories
+    Z*, Cc, Cf, as :func:`operators.negatives.outer_trim` strips), which leave a model no text to read."""
     n = len(queries)
     reasons = np.full(n, None, dtype=object)
     for arr, null_reason, empty_reason in ((passages, NULL_PASSAGE, EMPTY_PASSAGE), (queries, NULL_QUERY, EMPTY_QUERY)):
-        empty = pc.fill_null(pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(arr)), 0), False).to_numpy(zero_copy_only=False)
+        empty = pc.fill_null(pc.match_substring_regex(arr, INVISIBLE_ONLY), False).to_numpy(zero_copy_only=False)
         reasons[empty] = empty_reason
         reasons[pc.is_null(arr).to_numpy(zero_copy_only=False)] = null_reason
     if invalid is not None:

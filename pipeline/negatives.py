@@ -448,7 +448,9 @@ def _make_write(staging: str, run_id: str, model: str, teacher: str, storage):
 
 
 def check_teacher(path: str) -> None:
-    """Fail before any work when the teacher cannot be found or is not a one-logit cross-encoder (reads its config).
+    """Fail before any work when the teacher cannot be found, is not a one-logit cross-encoder (its config), or its
+    checkpoint lacks weights of the model (an encoder saved with ``num_labels = 1`` has no trained classification
+    head: transformers starts one at random and only logs it). Loads the teacher once, on the CPU.
 
     Raises:
         ConfigError: naming negatives.teacher.
@@ -468,6 +470,17 @@ def check_teacher(path: str) -> None:
     if getattr(config, "num_labels", 1) != 1:
         raise ConfigError(f"negatives.teacher = {path!r} has {config.num_labels} outputs; a cross-encoder teacher gives "
                           "one relevance logit per (query, passage) pair")
+    from transformers import AutoModelForSequenceClassification
+
+    try:  # loads the weights once here: only the loader knows which of the model's weights the checkpoint lacks
+        _, loading = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
+    except Exception as e:
+        raise ConfigError(f"negatives.teacher = {path!r} cannot be loaded: {str(e).splitlines()[0]}") from None
+    if loading.get("missing_keys"):
+        missing = sorted(loading["missing_keys"])
+        raise ConfigError(f"negatives.teacher = {path!r} lacks trained weights for {', '.join(missing[:3])}"
+                          f"{', ...' if len(missing) > 3 else ''} (transformers would start them at random, and "
+                          "every teacher score would be noise): give a trained cross-encoder, not an encoder")
 
 
 def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_column: str, id_column: str,

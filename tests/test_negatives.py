@@ -538,6 +538,17 @@ def test_bad_input_is_one_line(tiny_run, tiny_model_dir, tmp_path):
     proc = _cli("--input", str(run_dir), "--corpus", str(run_dir), "--teacher", str(tmp_path / "no-model"),
                 "--output", str(tmp_path))
     assert proc.returncode == 2 and f"negatives.teacher = '{tmp_path / 'no-model'}' does not exist" in proc.stderr
+    # An encoder saved with a one-logit config: no trained classification head, so its scores would be noise.
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)
+    AutoModel.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "encoder")
+    config.save_pretrained(tmp_path / "encoder")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "encoder")
+    proc = _cli("--input", str(run_dir), "--corpus", str(run_dir), "--teacher", str(tmp_path / "encoder"),
+                "--output", str(tmp_path))
+    assert proc.returncode == 2 and "lacks trained weights for classifier.bias, classifier.weight (transformers " \
+        "would start them at random" in proc.stderr
     # An unfinished run as input is named as such.
     (tmp_path / "unfinished" / "groups").mkdir(parents=True)
     proc = _cli("--input", str(tmp_path / "unfinished"), "--corpus", str(run_dir), "--output", str(tmp_path))

@@ -368,3 +368,16 @@ def test_compressed_jsonl_on_s3(s3_server, tmp_path):
     assert [s.path.rsplit("/", 1)[-1] for s in shards] == ["a.jsonl.zst", "b.jsonl.gz"]
     assert docs.num_rows == 12 and docs.column("skip_reason").to_pylist() == [None] * 6 + ["duplicate_id"] * 6
     assert docs.column("text").to_pylist()[:6] == [d["text"] for d in DOCS]
+
+
+def test_a_pair_text_of_invisible_characters_only_is_empty():
+    """A query or positive of nothing but zero-width, format and control characters leaves the model no text: it
+    is skipped as empty (as whitespace is), where before it was embedded and given negatives."""
+    import pyarrow as pa
+
+    from pairmine.operators.pairs import pair_skip_reasons
+
+    queries = pa.array(["\u200b", "\u00ad\u200d\ufeff", "\x00\x00", " \u3000\n", None, "a\u200b", "\u200bé", "q"])
+    passages = pa.array(["p"] * 7 + ["\u2028\u200b "])
+    assert pair_skip_reasons(queries, passages, None).to_pylist() == [
+        "empty_query", "empty_query", "empty_query", "empty_query", "null_query", None, None, "empty_passage"]
