@@ -7,8 +7,10 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import sys
 import textwrap
+import threading
 
 from pairmine.pipeline import __version__
 
@@ -670,16 +672,27 @@ def user_error(e: BaseException) -> str | None:
     return found.group(1) if found else None
 
 
-# What Ctrl-C leaves, per command (printed after "pairmine: interrupted"; exit code 130).
+# What Ctrl-C (or SIGTERM) leaves, per command (printed after "pairmine: interrupted"; exit code 130, or 143).
 _RESUME = ("; what was committed stays: run the same command with the run's --run-id (logged at its start) to resume "
            "(committed shards and work units are kept)")
 INTERRUPTED = {"mine": _RESUME, "filter-pairs": _RESUME, "negatives": _RESUME,
                "train": "; run the same command (same --output) to resume from its newest checkpoint"}
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what ``timeout``, systemd and Kubernetes send to stop a process): a run ends as on Ctrl-C (its Ray
+    Data execution ended before Ray shuts down, one line saying how to resume), with exit code 143 (128 + 15)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)  # kept across ray.init (ray_adapter.init_ray)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -700,9 +713,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command in EVAL_COMMANDS:
             return EVAL_COMMANDS[args.command](args)
-    except KeyboardInterrupt:
-        print(f"pairmine: interrupted{INTERRUPTED.get(args.command, '')}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"pairmine: {how}{INTERRUPTED.get(args.command, '')}", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     except Exception as e:
         message = user_error(e)
         if message is None:

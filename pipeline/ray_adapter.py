@@ -8,6 +8,7 @@ Ray Data fuses with their neighbours.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -83,6 +84,23 @@ IDLE_WORKER_KEEP_S = 60
 pairs pass from 8.4 to 4.7 s (2026-12-04)."""
 
 
+@contextlib.contextmanager
+def _own_sigterm_handler():
+    """Keep the caller's own Python SIGTERM handler across ``ray.init``, which replaces it with one that calls
+    ``sys.exit(15)`` (so pairmine's CLI, whose handler ends a run as Ctrl-C does, would end with tracebacks from
+    Ray Data's threads instead). A default or ignored SIGTERM is left to Ray's handler."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if callable(before):
+            signal.signal(signal.SIGTERM, before)
+
+
 def init_ray(address: str = "", num_cpus: int = 0) -> str:
     """Connect to the Ray cluster at ``address`` (else ``$RAY_ADDRESS``), or start a private local Ray.
 
@@ -110,7 +128,8 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
         job_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}").get("runtime_env") or {}
         given = job_env.get("env_vars") or {}
         env_vars = {k: v for k, v in env_vars.items() if k not in given}
-        ray.init(address=address, runtime_env={"env_vars": env_vars} if env_vars else None, log_to_driver=True)
+        with _own_sigterm_handler():
+            ray.init(address=address, runtime_env={"env_vars": env_vars} if env_vars else None, log_to_driver=True)
         return f"cluster {describe_cluster()}"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray ends a task worker after 1 s idle once the node has more workers than CPUs, and actors count: with an embed
@@ -126,7 +145,8 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
     kwargs: dict[str, Any] = dict(address="local", include_dashboard=False, logging_level=logging.WARNING)
     if num_cpus:
         kwargs["num_cpus"] = num_cpus
-    ray.init(**kwargs)
+    with _own_sigterm_handler():
+        ray.init(**kwargs)
     return f"local ({int(ray.cluster_resources().get('CPU', 0))} CPUs)"
 
 

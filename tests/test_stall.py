@@ -166,10 +166,13 @@ def test_frozen_embedder_ends_the_run_and_the_run_id_resumes(tiny_model_dir, sam
     assert stats["docs_in"] == 60 and stats["reconciled"]
 
 
-def test_ctrl_c_while_embedding_is_one_line_and_exit_130(tiny_model_dir, sample_dir, tmp_path):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_while_embedding_is_one_line_and_exit_130(sig, tiny_model_dir, sample_dir, tmp_path):
     """Ctrl-C (SIGINT to the run's process group, as a terminal sends it) while the embed stage runs: the run's Ray
     Data execution is ended before Ray is shut down, so stderr holds one "pairmine: interrupted" line telling how
-    to resume, no traceback, and the exit code is 130 (a shell's code for SIGINT)."""
+    to resume, no traceback, and the exit code is 130 (a shell's code for SIGINT). SIGTERM to the driver alone (as
+    ``timeout``, systemd and Kubernetes send it) ends the run the same way, exit code 143; it used to end in Ray's
+    ``sys.exit(15)`` with C++ stack dumps and Ray Data tracebacks."""
     pq.write_table(pq.read_table(sample_dir / "000_00000.parquet").slice(0, 60), tmp_path / "docs.parquet")
     # A shell's background job (as CI may start the suite) ignores SIGINT, and a child inherits that: the CLI is run
     # with Python's own SIGINT handler put back, as in a terminal.
@@ -186,14 +189,19 @@ def test_ctrl_c_while_embedding_is_one_line_and_exit_130(tiny_model_dir, sample_
             time.sleep(0.2)
         assert proc.poll() is None, "the run ended before an embed actor was seen"
         time.sleep(1)
-        os.killpg(proc.pid, signal.SIGINT)
+        if sig == "SIGINT":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 130, err[-3000:]
-    assert "Traceback" not in err and "Ray is not initialized" not in err, err[-3000:]
+    assert proc.returncode == (130 if sig == "SIGINT" else 143), err[-3000:]
+    assert "Traceback" not in err and "Ray is not initialized" not in err and "SIGTERM received" not in err, \
+        err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith("pairmine: interrupted; what was committed stays: run the same command with the run's "
+    how = "interrupted" if sig == "SIGINT" else "terminated (SIGTERM)"
+    assert last.startswith(f"pairmine: {how}; what was committed stays: run the same command with the run's "
                            "--run-id"), err[-3000:]
