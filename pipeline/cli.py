@@ -268,7 +268,7 @@ corpus: documents (parquet/JSONL; [input] text_column and id_column; chunked wit
 (its input, chunked with that run's settings).
 
 output (<output>/<run_id>/):
-  negatives/part-NNNNN.parquet  one row per usable pair: pair_id, doc_id, query, positive, positive_score,
+  negatives/part-NNNNN.parquet  one row per usable pair: run_id, pair_id, doc_id, query, positive, positive_score,
                                 negatives, negative_ranks (1-based, in the retrieved list), negative_scores,
                                 positive_teacher_score, negative_teacher_scores (null without --teacher), model,
                                 teacher; one part per input shard

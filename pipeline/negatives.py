@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from pairmine.operators.read import InputError
 from pairmine.pipeline.config import ConfigError, NegativesConfig, run_chunk_spec
-from pairmine.pipeline.inputs import PoolSpec, Shard, check_parquet_shards, discover_shards, shard_pool
+from pairmine.pipeline.inputs import PoolSpec, Shard, check_parquet_shards, discover_shards, scan_shard
 from pairmine.pipeline.mine import (
     EMBED_CALL_PASSAGES, MineResult, Progress, _load_pool, _shard_dict, check_model, model_id,
     new_run_id, result_config,
@@ -282,9 +282,10 @@ def _make_search_select(shard_ref, cfg: NegativesConfig, threads: int, device: s
 
 class _ChunkCorpus:
     """Chunk operator of the corpus pass: a batch of items -> rows of up to ``per_row`` texts (``passages``
-    list<string>, ``hashes`` list<int64>, ``query_rows`` bool). An item ``{"shard": i, "unit": -1}`` gives every
-    usable passage of corpus shard i (:func:`pipeline.inputs.shard_pool` with a pool as large as the corpus; hashes:
-    of each passage's document id); ``{"shard": -1, "unit": j}`` gives the distinct queries of the usable pairs of
+    list<string>, ``hashes`` list<int64>, ``query_rows`` bool, ``skipped``: on a corpus shard's first row, JSON of its
+    documents skipped by reason, ``{"empty_text": 2, "no_passage": 1}``, else ""). An item
+    ``{"shard": i, "unit": -1}`` gives every usable passage of corpus shard i (:func:`pipeline.inputs.scan_shard` with
+    a pool as large as the corpus; hashes: of each passage's document id); ``{"shard": -1, "unit": j}`` gives the distinct queries of the usable pairs of
     work unit ``units[j]``, read by the pairs pass's own read operator (``make_read()``), as query rows (hashes 0),
     so that the corpus pass embeds them and the pairs pass loads no model."""
 
@@ -311,23 +312,26 @@ class _ChunkCorpus:
         return list(dict.fromkeys(usable.column("query").to_pylist()))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        rows: list[tuple[list[str], list[int], bool]] = []
+        rows: list[tuple[list[str], list[int], bool, str]] = []
         for i, j in zip(batch.column("shard").to_pylist(), batch.column("unit").to_pylist()):
+            skipped = ""
             if i >= 0:
-                texts, hashes = [], []
-                for _, h, p in shard_pool(self.shards[i], self.text_column, self.id_column, self.spec, self.storage):
-                    texts.append(p)
-                    hashes.append(h)
+                scan = scan_shard(self.shards[i], self.text_column, self.id_column, 0, 0, 1.0, self.spec,
+                                  self.storage)
+                texts, hashes = [p for _, _, p in scan.pool], [h for _, h, _ in scan.pool]
+                skipped = json.dumps(scan.skipped)
                 if self.dedupe and texts:
                     texts, hashes = self._first_copies(texts, hashes)
             else:
                 texts = self._queries(self.units[j])
                 hashes = [0] * len(texts)
-            rows += [(texts[k:k + self.per_row], hashes[k:k + self.per_row], i < 0)
-                     for k in range(0, len(texts), self.per_row)]
+            # The shard's skipped documents ride on its first row (a row without passages when it has none).
+            rows += [(texts[k:k + self.per_row], hashes[k:k + self.per_row], i < 0, skipped if k == 0 else "")
+                     for k in range(0, max(len(texts), 1 if skipped else 0), self.per_row)]
         return pa.table({"passages": pa.array([r[0] for r in rows], pa.list_(pa.string())),
                          "hashes": pa.array([r[1] for r in rows], pa.list_(pa.int64())),
-                         "query_rows": pa.array([r[2] for r in rows], pa.bool_())})
+                         "query_rows": pa.array([r[2] for r in rows], pa.bool_()),
+                         "skipped": pa.array([r[3] for r in rows], pa.string())})
 
 
 def ask_key_ranges(actors: list, method: str, texts: list[str], *arrays: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -426,12 +430,18 @@ def split_passages(counts: list[int], shards: int) -> list[list[tuple[int, int, 
     return out
 
 
-def _passages_in_block(block) -> tuple[int, int]:
-    """(corpus passages, queries) in one embedded corpus-pass block (rows of up to ``_ChunkCorpus.per_row``)."""
+def _passages_in_block(block) -> tuple[int, int, dict]:
+    """(corpus passages, queries, corpus documents skipped by reason) in one embedded corpus-pass block (rows of up
+    to ``_ChunkCorpus.per_row``)."""
     import pyarrow.compute as pc
 
-    return tuple(int(pc.sum(pc.list_value_length(_rows_of(block, q).column("passages"))).as_py() or 0)
-                 for q in (False, True))
+    corpus, queries = (int(pc.sum(pc.list_value_length(_rows_of(block, q).column("passages"))).as_py() or 0)
+                       for q in (False, True))
+    skipped: dict[str, int] = {}
+    for text in block.column("skipped").to_pylist():
+        for reason, n in (json.loads(text) if text else {}).items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    return corpus, queries, skipped
 
 
 def _make_teacher(cfg: NegativesConfig, device: str, threads: int):
@@ -486,7 +496,7 @@ def check_teacher(path: str) -> None:
 def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_column: str, id_column: str,
                        spec: PoolSpec, threads: int, device: str, actors: int, embed_cpus: float, embed_gpus: float,
                        light: float, figures_out: list | None = None, query_units: list[dict] | None = None,
-                       make_read=None) -> list[dict]:
+                       make_read=None, skipped_out: dict | None = None) -> list[dict]:
     """Chunk and embed the corpus on Ray and build its index in ``negatives.index_shards`` shards (0: as many as
     ``negatives.index_shard_mb`` of embedded blocks per shard asks), each by a Ray task from the embedded blocks;
     the driver holds only object refs and per-shard counts, so the corpus may be larger than its memory (Ray's
@@ -494,7 +504,9 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
     (:func:`pipeline.ray_adapter.stage_figures`, stages named "corpus: ...") are appended to it. With
     ``query_units`` (work units of pairs) and ``make_read`` (their read operator's factory), the same pass embeds
     those pairs' queries with the query prefix; with one shard they join its ``known`` lookup, so that the pairs
-    pass embeds no query (with several they are not used).
+    pass embeds no query (with several they are not used). With ``skipped_out``, the corpus documents skipped are
+    counted into it by reason (the read stage's: null_text, empty_text, null_id, ...; "no_passage": usable, but no
+    passage came of its chunking).
 
     Returns:
         per shard, in corpus-row order (none for a corpus without a usable passage): ``{"ref": ObjectRef of the
@@ -540,14 +552,18 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
     total = sum(size for _, _, size in blocks)
     wanted = n.index_shards or max(1, math.ceil(total / (n.index_shard_mb * 2 ** 20)))
     both = ray.get(submit(_passages_in_block, [(ref,) for ref, _, _ in blocks], num_cpus=light))
-    counts, queries = [c for c, _ in both], sum(q for _, q in both)
+    counts, queries = [c for c, _, _ in both], sum(q for _, q, _ in both)
+    for _, _, skipped in both:
+        for reason, count in skipped.items():
+            if skipped_out is not None:
+                skipped_out[reason] = skipped_out.get(reason, 0) + count
     if queries and wanted > 1:
         log.info("the index is sharded: the %d queries embedded with the corpus are not used (the pairs pass embeds "
                  "them)", queries)
     built = []
     for part in split_passages(counts, wanted) if sum(counts) else []:
         # With one shard its task also takes the blocks that hold only queries, for the known lookup.
-        extra = [i for i, (c, q) in enumerate(both) if q and not c] if wanted == 1 else []
+        extra = [i for i, (c, q, _) in enumerate(both) if q and not c] if wanted == 1 else []
         refs = submit(build_index_shard, [(n.index, n.nprobe, n.ef_search, n.depth, n.recall_probes,
                                            cfg.resolved_prefix() if wanted == 1 else None,
                                            cfg.resolved_query_prefix(), dedupe, [(lo, hi) for _, lo, hi in part],
@@ -673,13 +689,18 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     phases = {"start": t_corpus - t0}  # wall seconds of each phase of the run (stats.json "phases_s")
     figures: list[dict] = []  # per-stage wall/busy/CPU seconds and rows, in pipeline order (stats.json "stages")
     with_queries = queries_with_corpus(cfg, kind, sum(unit_rows[unit_key(u)] for u in todo))
+    corpus_skipped: dict[str, int] = {}  # corpus documents skipped, by reason
     index_shards = build_corpus_index(cfg, corpus_shards, text_column, id_column, spec, threads, device, actors,
                                       embed_cpus, embed_gpus, light, figures, todo if with_queries else None,
-                                      partial(_make_read, cfg, kind))
+                                      partial(_make_read, cfg, kind), corpus_skipped)
     phases["corpus"] = time.time() - t_corpus
     corpus_size = sum(s["passages"] for s in index_shards)
+    skipped_words = ", ".join(f"{k} {v}" for k, v in sorted(corpus_skipped.items()))
+    if corpus_skipped:
+        log.info("corpus: documents skipped: %s", skipped_words)
     if corpus_size == 0:
-        raise InputError(f"negatives.corpus {n.corpus}: no usable passage (empty or skipped documents only)")
+        raise InputError(f"negatives.corpus {n.corpus}: no usable passage (documents skipped: "
+                         f"{skipped_words or 'none; no document'})")
     if corpus_size < n.rank_start:
         raise InputError(f"negatives.corpus {n.corpus} has {corpus_size} usable passage(s), fewer than "
                          f"negatives.rank_start = {n.rank_start}: no candidate could reach the rank window; give a "
@@ -761,6 +782,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
         "candidates_retrieved": kept + sum(dropped.values()),
         "negatives_dropped": dropped,
         "corpus_passages": corpus_size,
+        "corpus_docs_skipped": dict(sorted(corpus_skipped.items())),
         "vectors_reused": int(total.get("vectors_reused", 0)),
         "queries_embedded_with_corpus": queries_with,
         "corpus_duplicates": duplicates,

@@ -422,6 +422,9 @@ def test_queries_embedded_with_the_corpus_leave_the_pairs_pass_without_a_model(t
     (tmp_path / "corpus").mkdir()
     pq.write_table(pa.Table.from_pylist(docs), tmp_path / "corpus" / "a.parquet")
     pq.write_table(pa.Table.from_pylist(copies), tmp_path / "corpus" / "b.parquet")
+    bad = pa.table({"id": ["n1", None, "n3", "n4", "n5"], "text": [None, "A document without an id, long enough.",
+                                                                   " \u200b ", "Too short.", "\n"]})
+    pq.write_table(bad, tmp_path / "corpus" / "c.parquet")  # documents skipped, each counted by its reason
     corpus = [(d["id"], p) for d in docs + copies for p in chunk_text(d["text"], token_limit=limit).passages]
     picked = corpus[::40][:12]
     pairs = pa.table({"id": [f"q{k}" for k in range(len(picked))],
@@ -441,6 +444,7 @@ def test_queries_embedded_with_the_corpus_leave_the_pairs_pass_without_a_model(t
     texts, doc_hashes = _distinct(corpus)
     copied = sum(len(chunk_text(d["text"], token_limit=limit).passages) for d in copies)
     assert stats["corpus_passages"] == len(texts) and stats["corpus_duplicates"] == len(corpus) - len(texts) == copied
+    assert stats["corpus_docs_skipped"] == {"empty_text": 1, "no_passage": 2, "null_id": 1, "null_text": 1}
     assert f"({copied} exact copies of another dropped) and {len(picked)} queries embedded and indexed" in proc.stderr
     rows = {r["pair_id"]: r for r in pq.read_table(tmp_path / "plain" / "negatives").to_pylist()}
     resolved = json.loads((tmp_path / "plain" / "manifest.json").read_text())["resolved"]
@@ -553,6 +557,12 @@ def test_bad_input_is_one_line(tiny_run, tiny_model_dir, tmp_path):
     (tmp_path / "unfinished" / "groups").mkdir(parents=True)
     proc = _cli("--input", str(tmp_path / "unfinished"), "--corpus", str(run_dir), "--output", str(tmp_path))
     assert proc.returncode == 2 and "is a pairmine run folder without _SUCCESS" in proc.stderr
+    # A corpus of skipped documents only: the error counts them.
+    pq.write_table(pa.table({"id": ["a", "b", None], "text": [None, "  ", "x"]}), tmp_path / "skipped.parquet")
+    proc = _cli("--input", str(run_dir), "--corpus", str(tmp_path / "skipped.parquet"), "--output", str(tmp_path),
+                "--set", f"embed.model={tiny_model_dir}")
+    assert proc.returncode == 2 and "no usable passage (documents skipped: empty_text 1, null_id 1, null_text 1)" \
+        in proc.stderr.strip().splitlines()[-1]
     # A corpus too small to reach the rank window is refused before embedding it.
     docs = pq.read_table(json.loads((run_dir / "manifest.json").read_text())["inputs"][0]["path"],
                          columns=["id", "text"])
