@@ -668,6 +668,8 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     # ---- the pairs' layout (JSONL pairs decoded and type-checked here, before the corpus work) ----------------------
     columns = (cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column) if kind == "pairs" else None
     layouts = run_remote(_layout, [(s, storage, columns) for s in shards])
+    if not any(sum(layout) for layout in layouts):  # before the corpus is embedded for nothing
+        raise InputError(f"--input {cfg.input.path}: no pairs (its {len(shards)} file(s) hold no rows)")
     # Announced once the pairs passed their checks: a refused input names no run folder that is never made.
     log.info("negatives run %s -> %s: %d input shard(s) (%s), corpus %s (%d file(s)); Ray %s", run_id, run_dir,
              len(shards), "a mine run's groups: anchor -> s1" if kind == "groups" else "pairs", n.corpus,
@@ -820,7 +822,7 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     folder.finalize(stats, manifest)
     log.info("done in %.1f s: %d negatives for %d pairs (%.2f per pair; ranks %d-%d of %d retrieved from %d corpus "
              "passages); %d skipped -> %s", elapsed, kept, pairs_out, stats["negatives_per_pair"], n.rank_start,
-             n.rank_end, n.depth, corpus_size, sum(skipped.values()), run_dir)
+             n.rank_end, min(n.depth, corpus_size), corpus_size, sum(skipped.values()), run_dir)
     for line in timing_lines(stats["phases_s"], figures):
         log.info("%s", line)
     return MineResult(run_dir=run_dir, stats=stats)

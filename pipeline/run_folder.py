@@ -131,7 +131,7 @@ def check_resume(plan: dict, prior: dict, run_id: str) -> None:
     if [s["key"] for s in prior["inputs"]] != [s["key"] for s in plan["inputs"]]:
         old = {s["key"] for s in prior["inputs"]}
         new = {s["key"] for s in plan["inputs"]}
-        changed = sorted(k.split("|")[0] for k in old ^ new)[:3]
+        changed = sorted({k.split("|")[0] for k in old ^ new})[:3]  # a path once, whether changed or added
         raise RunExistsError(
             f"run {run_id} was started on other input shards ({len(prior['inputs'])} then, {len(plan['inputs'])} now; "
             f"differing: {', '.join(changed) or 'their order'}); resume it with the same input, or use a new --run-id")

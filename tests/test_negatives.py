@@ -557,6 +557,12 @@ def test_bad_input_is_one_line(tiny_run, tiny_model_dir, tmp_path):
     (tmp_path / "unfinished" / "groups").mkdir(parents=True)
     proc = _cli("--input", str(tmp_path / "unfinished"), "--corpus", str(run_dir), "--output", str(tmp_path))
     assert proc.returncode == 2 and "is a pairmine run folder without _SUCCESS" in proc.stderr
+    # Pairs that hold no row: refused before the corpus is embedded for nothing.
+    pq.write_table(pa.table({"query": pa.array([], pa.string()), "passage": pa.array([], pa.string())}),
+                   tmp_path / "no-pairs.parquet")
+    proc = _cli("--input", str(tmp_path / "no-pairs.parquet"), "--corpus", str(run_dir), "--output", str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"pairmine: error: --input {tmp_path / 'no-pairs.parquet'}: no pairs (its 1 file(s) hold no rows)")
     # A corpus of skipped documents only: the error counts them.
     pq.write_table(pa.table({"id": ["a", "b", None], "text": [None, "  ", "x"]}), tmp_path / "skipped.parquet")
     proc = _cli("--input", str(run_dir), "--corpus", str(tmp_path / "skipped.parquet"), "--output", str(tmp_path),
