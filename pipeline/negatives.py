@@ -192,10 +192,10 @@ def build_index(vectors: np.ndarray, kind: str, nprobe: int = 32, ef_search: int
 
     ``flat``: exact (IndexFlatIP). ``ivf``: IndexIVFFlat with nlist = 4 sqrt(N) (faiss's rule of thumb, at least 1,
     at most N / 39 so that every list trains on 39 points), ``nprobe`` lists searched. ``hnsw``: IndexHNSWFlat, M 32,
-    ``efSearch`` = ef_search.
+    ``efSearch`` = ef_search. Fewer than 2 vectors: exact, whatever ``kind`` (the description says so).
 
     Returns:
-        (index, description in words).
+        (index, description in words: "exact ..." or "approximate ...").
     """
     import faiss
 
@@ -203,7 +203,8 @@ def build_index(vectors: np.ndarray, kind: str, nprobe: int = 32, ef_search: int
     if kind == "flat" or n < 2:
         index = faiss.IndexFlatIP(dim)
         index.add(vectors)
-        return index, "exact (faiss IndexFlatIP)"
+        return index, "exact (faiss IndexFlatIP)" + ("" if kind == "flat" else
+                                                      f"; negatives.index = {kind} needs 2 or more passages a shard")
     if kind == "ivf":
         nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))
         index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
@@ -393,7 +394,7 @@ def build_index_shard(kind: str, nprobe: int, ef_search: int, depth: int, probes
     if dedupe:
         doc_hashes = ask_key_ranges(dedupe, "documents", texts, out=doc_hashes)
     index, desc = build_index(vectors, kind, nprobe, ef_search)
-    recall = None if kind == "flat" else measure_recall(index, vectors, depth, probes)
+    recall = measure_recall(index, vectors, depth, probes) if desc.startswith("approximate") else None
     shard = (faiss.serialize_index(index), np.array([text_hash(t) for t in texts], np.int64), doc_hashes,
              pa.array(texts, pa.string()))
     known = None

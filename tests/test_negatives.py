@@ -92,6 +92,9 @@ def test_approximate_indexes_report_their_recall_against_exact_search():
     ivf, desc = build_index(x, "ivf", nprobe=1)
     assert "nlist 102" in desc  # 4 sqrt(4000) = 252, capped at 4000 / 39 = 102 lists
     assert measure_recall(ivf, x, 50, 100) < measure_recall(build_index(x, "ivf", nprobe=102)[0], x, 50, 100) == 1.0
+    # A shard of one passage (negatives.index_shards above the corpus size) is searched exactly, and says so.
+    assert build_index(x[:1], "ivf")[1] == "exact (faiss IndexFlatIP); negatives.index = ivf needs 2 or more " \
+        "passages a shard"
 
 
 def test_shard_by_shard_search_is_the_search_of_the_whole_corpus():
