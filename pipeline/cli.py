@@ -673,10 +673,18 @@ def user_error(e: BaseException) -> str | None:
 
 
 # What Ctrl-C (or SIGTERM) leaves, per command (printed after "pairmine: interrupted"; exit code 130, or 143).
-_RESUME = ("; what was committed stays: run the same command with the run's --run-id (logged at its start) to resume "
-           "(committed shards and work units are kept)")
-INTERRUPTED = {"mine": _RESUME, "filter-pairs": _RESUME, "negatives": _RESUME,
-               "train": "; run the same command (same --output) to resume from its newest checkpoint"}
+def interrupted_hint(command: str) -> str:
+    """How to resume a ``command`` run that Ctrl-C or SIGTERM ended, naming its run id when a run folder was made
+    (:attr:`pipeline.run_folder.RunFolder.last_run_id`)."""
+    if command == "train":
+        return "; run the same command (same --output) to resume from its newest checkpoint"
+    if command not in ("mine", "filter-pairs", "negatives"):
+        return ""
+    from pairmine.pipeline.run_folder import RunFolder
+
+    run = f"--run-id {RunFolder.last_run_id}" if RunFolder.last_run_id else "the run's --run-id (logged at its start)"
+    return (f"; what was committed stays: run the same command with {run} to resume (committed shards and work "
+            "units are kept)")
 
 
 class Terminated(KeyboardInterrupt):
@@ -684,15 +692,33 @@ class Terminated(KeyboardInterrupt):
     Data execution ended before Ray shuts down, one line saying how to resume), with exit code 143 (128 + 15)."""
 
 
+_terminated = False  # SIGTERM arrived (Ray turns an exception raised in a handler during ray.get into KeyboardInterrupt)
+
+
 def _terminate(signum, frame):
+    global _terminated
+    _terminated = True
     raise Terminated()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)  # kept across ray.init (ray_adapter.init_ray)
+    global _terminated
+    _terminated = False
+    from pairmine.pipeline.run_folder import RunFolder
+
+    RunFolder.last_run_id = None  # (a process may run several commands)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None  # kept across init_ray's ray.init
+    try:
+        return _run(parser, args)
+    finally:
+        if main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(parser, args) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -713,10 +739,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command in EVAL_COMMANDS:
             return EVAL_COMMANDS[args.command](args)
-    except KeyboardInterrupt as e:
-        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-        print(f"pairmine: {how}{INTERRUPTED.get(args.command, '')}", file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
+    except KeyboardInterrupt:
+        how = "terminated (SIGTERM)" if _terminated else "interrupted"
+        print(f"pairmine: {how}{interrupted_hint(args.command)}", file=sys.stderr)
+        return 143 if _terminated else 130
     except Exception as e:
         message = user_error(e)
         if message is None:

@@ -83,7 +83,8 @@ def _run_folder(path: str, flag: str, storage) -> tuple[str, dict | None]:
     manifest = _run_manifest(path, storage)
     if manifest is None and (storage.info(path) or {}).get("type") == "directory":
         folders = [c.rstrip("/") for c in storage.ls(path) if "." not in c.rstrip("/").rsplit("/", 1)[-1]][:50]
-        runs = [c for c in folders if storage.exists(f"{c}/{SUCCESS_MARKER}")]  # (data files have a suffix)
+        runs = [c for c in folders  # (data files have a suffix)
+                if storage.exists(f"{c}/{SUCCESS_MARKER}") and storage.exists(f"{c}/manifest.json")]
         if runs:
             raise InputError(f"{flag} {path} holds {len(runs)} pairmine run folder(s) ({runs[0]}, ...): give one of "
                              "them")
@@ -458,10 +459,58 @@ def _make_write(staging: str, run_id: str, model: str, teacher: str, storage):
     return NegativesWriter(staging, run_id, model, teacher, storage)
 
 
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def _checkpoint_keys(path: str) -> set[str] | None:
+    """The names of the weights a local model folder stores, read without loading a tensor (a sharded checkpoint's
+    index, or model.safetensors' header); None when they cannot be listed so (a hub id, a single .bin file)."""
+    import os
+
+    if not os.path.isdir(path):
+        return None
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if os.path.isfile(os.path.join(path, index)):
+            with open(os.path.join(path, index), encoding="utf-8") as f:
+                return set(json.load(f).get("weight_map") or {})
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            return set(f.keys())
+    return None
+
+
+def _missing_head_weights(path: str, config) -> list[str]:
+    """The weights of the teacher's sequence-classification head (those outside its base model) that its checkpoint
+    does not store, sorted. The model is built on torch's meta device (no memory for weights) and its head's names
+    are looked up in the checkpoint's key list (:func:`_checkpoint_keys`); where that list cannot be read, the
+    teacher is loaded once on the CPU and transformers' own list of missing weights is used.
+
+    Raises:
+        ConfigError: the teacher cannot be loaded."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    stored = _checkpoint_keys(os.path.expanduser(path))
+    try:
+        if stored is not None:
+            with torch.device("meta"):
+                model = AutoModelForSequenceClassification.from_config(config)
+            base = model.base_model_prefix + "."
+            return sorted(k for k in model.state_dict() if not k.startswith(base) and k not in stored)
+        _, loading = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
+    except Exception as e:  # transformers raises OSError/ValueError/HF errors depending on the cause
+        raise ConfigError(f"negatives.teacher = {path!r} cannot be loaded: {_first_line(e)}") from None
+    return sorted(loading.get("missing_keys") or [])
+
+
 def check_teacher(path: str) -> None:
     """Fail before any work when the teacher cannot be found, is not a one-logit cross-encoder (its config), or its
     checkpoint lacks weights of the model (an encoder saved with ``num_labels = 1`` has no trained classification
-    head: transformers starts one at random and only logs it). Loads the teacher once, on the CPU.
+    head: transformers starts one at random and only logs it): :func:`_missing_head_weights`.
 
     Raises:
         ConfigError: naming negatives.teacher.
@@ -477,18 +526,12 @@ def check_teacher(path: str) -> None:
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # transformers raises OSError/ValueError/HF errors depending on the cause
-        raise ConfigError(f"negatives.teacher = {path!r} cannot be loaded: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"negatives.teacher = {path!r} cannot be loaded: {_first_line(e)}") from None
     if getattr(config, "num_labels", 1) != 1:
         raise ConfigError(f"negatives.teacher = {path!r} has {config.num_labels} outputs; a cross-encoder teacher gives "
                           "one relevance logit per (query, passage) pair")
-    from transformers import AutoModelForSequenceClassification
-
-    try:  # loads the weights once here: only the loader knows which of the model's weights the checkpoint lacks
-        _, loading = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
-    except Exception as e:
-        raise ConfigError(f"negatives.teacher = {path!r} cannot be loaded: {str(e).splitlines()[0]}") from None
-    if loading.get("missing_keys"):
-        missing = sorted(loading["missing_keys"])
+    missing = _missing_head_weights(path, config)
+    if missing:
         raise ConfigError(f"negatives.teacher = {path!r} lacks trained weights for {', '.join(missing[:3])}"
                           f"{', ...' if len(missing) > 3 else ''} (transformers would start them at random, and "
                           "every teacher score would be noise): give a trained cross-encoder, not an encoder")
@@ -542,8 +585,11 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
     ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
     ds = apply_stage(apply_stage(ds, chunk), embed)
     blocks: list[tuple] = []
-    done = lambda: f"{sum(r for _, r, _ in blocks)} corpus batches of up to {_ChunkCorpus.per_row} passages " \
-        "embedded"  # noqa: E731
+
+    def done() -> str:
+        rows = sum(r for _, r, _ in blocks)
+        return f"{rows} corpus batch{'' if rows == 1 else 'es'} of up to {_ChunkCorpus.per_row} passages embedded"
+
     for item in watched(iter_block_refs(ds), [chunk, embed], done, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s,
                         every_s=PROGRESS_EVERY_S, label="corpus"):
         blocks.append(item)
@@ -670,7 +716,8 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     columns = (cfg.input.query_column, cfg.input.passage_column, cfg.input.pair_id_column) if kind == "pairs" else None
     layouts = run_remote(_layout, [(s, storage, columns) for s in shards])
     if not any(sum(layout) for layout in layouts):  # before the corpus is embedded for nothing
-        raise InputError(f"--input {cfg.input.path}: no pairs (its {len(shards)} file(s) hold no rows)")
+        raise InputError(f"--input {cfg.input.path}: no {'groups' if kind == 'groups' else 'pairs'} (its "
+                         f"{len(shards)} file(s) hold no rows)")
     # Announced once the pairs passed their checks: a refused input names no run folder that is never made.
     log.info("negatives run %s -> %s: %d input shard(s) (%s), corpus %s (%d file(s)); Ray %s", run_id, run_dir,
              len(shards), "a mine run's groups: anchor -> s1" if kind == "groups" else "pairs", n.corpus,

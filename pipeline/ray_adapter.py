@@ -137,16 +137,25 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
     # every task (18 worker processes in one negatives run on 2 CPUs). Idle workers are kept IDLE_WORKER_KEEP_S here;
     # keeping them does not raise the peak number of workers, only when the idle ones go.
     os.environ.setdefault("RAY_idle_worker_killing_time_threshold_ms", str(IDLE_WORKER_KEEP_S * 1000))
-    # The workers' variables go into this process's environment, which the private Ray's processes inherit, not
-    # into a job runtime_env: Ray gives a job with a runtime_env none of the workers it started with the node (they
-    # have no such env), so every task and actor waited for a new process while those idled (~1 s of CPU each).
+    # The workers' variables go into the environment the private Ray's processes inherit when ray.init starts them,
+    # not into a job runtime_env: Ray gives a job with a runtime_env none of the workers it started with the node
+    # (they have no such env), so every task and actor waited for a new process while those idled (~1 s of CPU
+    # each). This process's own environment is put back afterwards.
+    before = {key: os.environ.get(key) for key in env_vars}
     for key, value in env_vars.items():
         os.environ.setdefault(key, value)
     kwargs: dict[str, Any] = dict(address="local", include_dashboard=False, logging_level=logging.WARNING)
     if num_cpus:
         kwargs["num_cpus"] = num_cpus
-    with _own_sigterm_handler():
-        ray.init(**kwargs)
+    try:
+        with _own_sigterm_handler():
+            ray.init(**kwargs)
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return f"local ({int(ray.cluster_resources().get('CPU', 0))} CPUs)"
 
 

@@ -57,9 +57,12 @@ def run_kind(run: str, manifest: dict, storage) -> str | None:
 def wrong_kind(run: str, kind: str | None, wanted: str, hint: str = "") -> str:
     """The one-line reason a ``wanted`` run was expected at ``run`` and a run of ``kind`` was found (see
     :func:`run_kind`), with ``hint`` (what to give instead) after it."""
-    what = f"a pairmine {kind} run (it holds {RUN_DATA[kind]}/)" if kind in RUN_DATA else \
-        "not a run of pairmine mine, filter-pairs or negatives"
-    return f"{run} is {what}, not a {wanted} run" + (f"; {hint}" if hint else "")
+    if kind in RUN_DATA:
+        what = f"{run} is a pairmine {kind} run (it holds {RUN_DATA[kind]}/), not a {wanted} run"
+    else:
+        what = (f"{run} is a committed folder but not a run of pairmine mine, filter-pairs or negatives ({wanted} "
+                "wanted)")
+    return what + (f"; {hint}" if hint else "")
 
 
 class RunExistsError(RuntimeError):
@@ -193,7 +196,11 @@ class RunFolder:
         parts: what the job's write stage stages and its commit compacts.
     """
 
+    last_run_id: str | None = None
+    """The run id of the latest run folder this process made (the CLI names it in its Ctrl-C line)."""
+
     def __init__(self, output: str, run_id: str, storage, parts: Parts):
+        RunFolder.last_run_id = run_id
         self.output = output.rstrip("/") or "."
         self.run_id, self.storage, self.parts = run_id, storage, parts
         self.dir = f"{self.output}/{run_id}"

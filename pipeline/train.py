@@ -130,12 +130,16 @@ def find_group_parts(groups: str, storage=None, folder: str = "groups") -> tuple
         raise InputError(f"{folder} {groups} is a file; give the run folder of {job} (with {folder}/ and _SUCCESS)")
     root = storage.absolute(groups.rstrip("/"))
     if not storage.exists(f"{root}/{folder}") and storage.exists(f"{root}/{SUCCESS_MARKER}") \
-            and storage.exists(f"{root}/manifest.json"):  # a committed run of another command
-        kind = run_kind(root, json.loads(storage.read_bytes(f"{root}/manifest.json")), storage)
+            and storage.exists(f"{root}/manifest.json"):  # a committed run, of another command?
+        try:
+            kind = run_kind(root, json.loads(storage.read_bytes(f"{root}/manifest.json")), storage)
+        except (OSError, ValueError) as e:
+            raise InputError(f"{folder} {groups}: cannot read {root}/manifest.json: {e}") from None
         hint = {("groups", "negatives"): "train on it with --negatives",
                 ("negatives", "mine"): "train on it with --groups, or mine its hard negatives first (pairmine "
                                        "negatives --input RUN --corpus CORPUS) and give that run to --negatives"}
-        raise InputError(wrong_kind(groups, kind, job.split()[1], hint.get((folder, kind), "")))
+        if kind != job.split()[1]:
+            raise InputError(wrong_kind(groups, kind, job.split()[1], hint.get((folder, kind), "")))
     run = root if storage.exists(f"{root}/{folder}") else root.rsplit("/", 1)[0]
     if not storage.exists(f"{run}/{SUCCESS_MARKER}"):
         raise InputError(f"{folder} {groups}: no {SUCCESS_MARKER} marker in {run}, so the run is not complete "

@@ -139,3 +139,21 @@ def test_a_runs_recorded_config_holds_only_the_keys_its_command_reads():
         check_resume(plan(command, [other]), prior, "r1")  # not this command's key: the resume goes on
         with pytest.raises(RunExistsError, match=rf"another config \({own.split('=')[0]} differ"):
             check_resume(plan(command, [own]), prior, "r1")
+
+
+def test_the_cli_puts_back_the_callers_sigterm_handler_and_names_unknown_folders():
+    """main() takes SIGTERM for the length of a command (a run ends as on Ctrl-C) and gives it back after, so a
+    program calling it in-process keeps its own; a committed folder that no pairmine command wrote is named so."""
+    import signal
+
+    from pairmine.pipeline.cli import main
+    from pairmine.pipeline.run_folder import wrong_kind
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["report", "/nonexistent/run"]) == 2
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert wrong_kind("out/x", None, "mine", "give a mine run") == (
+        "out/x is a committed folder but not a run of pairmine mine, filter-pairs or negatives (mine wanted); give a "
+        "mine run")
+    assert wrong_kind("out/n", "negatives", "mine") == "out/n is a pairmine negatives run (it holds negatives/), " \
+        "not a mine run"

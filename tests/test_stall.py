@@ -203,5 +203,5 @@ def test_ctrl_c_while_embedding_is_one_line_and_exit_130(sig, tiny_model_dir, sa
         err[-3000:]
     last = err.strip().splitlines()[-1]
     how = "interrupted" if sig == "SIGINT" else "terminated (SIGTERM)"
-    assert last.startswith(f"pairmine: {how}; what was committed stays: run the same command with the run's "
-                           "--run-id"), err[-3000:]
+    assert last.startswith(f"pairmine: {how}; what was committed stays: run the same command with --run-id "
+                           "interrupted to resume"), err[-3000:]
