@@ -692,7 +692,8 @@ class Terminated(KeyboardInterrupt):
     Data execution ended before Ray shuts down, one line saying how to resume), with exit code 143 (128 + 15)."""
 
 
-_terminated = False  # SIGTERM arrived (Ray turns an exception raised in a handler during ray.get into KeyboardInterrupt)
+# SIGTERM arrived: a flag, since Ray turns an exception raised in a handler during ray.get into KeyboardInterrupt
+_terminated = False
 
 
 def _terminate(signum, frame):

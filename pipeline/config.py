@@ -388,7 +388,7 @@ COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
 _PAIR_COLUMNS = ("input.pair_id_column", "input.query_column", "input.passage_column")
 _MINE_INPUT_KEYS = ("input.skip_duplicate_texts", "input.url_column", "input.incremental", "input.new_lineage")
 # One config class holds the keys of several commands (a TOML file may be shared): the keys of a command's sections
-# (COMMAND_SECTIONS) that it does not read. Its --help leaves them out, and its run's recorded config too.
+# (COMMAND_SECTIONS) that it does not read. Its --help leaves them out, and its resume does not compare them.
 COMMAND_KEYS_UNUSED: dict[str, tuple[str, ...]] = {"mine": _PAIR_COLUMNS + ("consistency.pool_path",),
                                                    "filter-pairs": _MINE_INPUT_KEYS, "negatives": _MINE_INPUT_KEYS}
 

@@ -232,8 +232,9 @@ _NOT_RESULT_FIELDS = {("input", "incremental"), ("input", "new_lineage"), ("embe
 def result_config(cfg: MineConfig, command: str = "mine") -> dict:
     """The part of the config that decides the output of a ``command`` run (mine, filter-pairs, negatives): the
     keys the command reads (:func:`pipeline.config.command_reads`) less those that do not change its rows. It is
-    recorded in the run's manifest, and a resumed run must match it, so a shared TOML file's keys of other commands
-    may change between attempts (``related.n_related`` does not stop a negatives run's resume).
+    recorded in the run's plan (``_state/plan.json``; the manifest keeps the whole config), and a resumed run must
+    match it, so a shared TOML file's keys of other commands may change between attempts (``related.n_related``
+    does not stop a negatives run's resume).
 
     Returns:
         ``{section: {key: value}}``, sections in the config class's order.
