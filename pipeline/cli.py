@@ -687,19 +687,16 @@ def interrupted_hint(command: str) -> str:
             "units are kept)")
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (what ``timeout``, systemd and Kubernetes send to stop a process): a run ends as on Ctrl-C (its Ray
-    Data execution ended before Ray shuts down, one line saying how to resume), with exit code 143 (128 + 15)."""
-
-
-# SIGTERM arrived: a flag, since Ray turns an exception raised in a handler during ray.get into KeyboardInterrupt
-_terminated = False
+_terminated = False  # SIGTERM arrived (what tells it from Ctrl-C: both end as a KeyboardInterrupt)
 
 
 def _terminate(signum, frame):
+    """SIGTERM (what ``timeout``, systemd and Kubernetes send to stop a process) ends a run as Ctrl-C does (its Ray
+    Data execution ended before Ray shuts down, one line saying how to resume), with exit code 143 (128 + 15). A
+    flag tells the two apart: Ray turns an exception raised in a handler during ray.get into a KeyboardInterrupt."""
     global _terminated
     _terminated = True
-    raise Terminated()
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ import math
 import os
 import platform
 import time
+from collections import Counter
 from functools import partial
 
 import numpy as np
@@ -76,9 +77,10 @@ def _run_folder(path: str, flag: str, storage) -> tuple[str, dict | None]:
     """
     path = path.rstrip("/")
     parent, _, name = path.rpartition("/")
-    if name in RUN_DATA.values() and parent and _run_manifest(parent, storage) is not None:
+    manifest = _run_manifest(parent, storage) if name in RUN_DATA.values() and parent else None
+    if manifest is not None:
         log.info("%s %s is the data folder of run %s: reading that run", flag, path, parent)
-        path = parent
+        return parent, manifest
     _refuse_uncommitted(path, flag, storage)
     manifest = _run_manifest(path, storage)
     if manifest is None and (storage.info(path) or {}).get("type") == "directory":
@@ -135,8 +137,9 @@ def resolve_input(cfg: NegativesConfig, storage) -> tuple[str, list[Shard]]:
     if not cfg.input.path:
         raise ConfigError("negatives needs --input: a pairmine mine run, a filter-pairs run, or parquet/JSONL pairs")
     root, run = _run_folder(cfg.input.path, "--input", storage)
-    if run is not None and run_kind(root, run, storage) not in ("mine", "filter-pairs"):
-        raise InputError(wrong_kind(root, run_kind(root, run, storage), "mine or filter-pairs",
+    kind = run_kind(root, run, storage) if run is not None else None
+    if run is not None and kind not in ("mine", "filter-pairs"):
+        raise InputError(wrong_kind(root, kind, "mine or filter-pairs",
                                     "give a mine run, a filter-pairs run, or parquet/JSONL (query, passage) pairs"))
     if run is not None:
         embed = (run.get("config") or {}).get("embed") or {}
@@ -169,8 +172,9 @@ def resolve_corpus(cfg: NegativesConfig, storage) -> tuple[list[Shard], str, str
     if not n.corpus:
         raise ConfigError("negatives needs --corpus: documents (parquet/JSONL) or a pairmine mine run folder")
     corpus, run = _run_folder(n.corpus, "--corpus", storage)
-    if run is not None and run_kind(corpus, run, storage) != "mine":
-        raise InputError(wrong_kind(corpus, run_kind(corpus, run, storage), "mine",
+    kind = run_kind(corpus, run, storage) if run is not None else None
+    if run is not None and kind != "mine":
+        raise InputError(wrong_kind(corpus, kind, "mine",
                                     "give a mine run (its input is the corpus) or a folder of documents"))
     if run is not None and run.get("inputs"):
         config = run.get("config") or {}
@@ -287,7 +291,8 @@ class _ChunkCorpus:
     list<string>, ``hashes`` list<int64>, ``query_rows`` bool, ``skipped``: on a corpus shard's first row, JSON of its
     documents skipped by reason, ``{"empty_text": 2, "no_passage": 1}``, else ""). An item
     ``{"shard": i, "unit": -1}`` gives every usable passage of corpus shard i (:func:`pipeline.inputs.scan_shard` with
-    a pool as large as the corpus; hashes: of each passage's document id); ``{"shard": -1, "unit": j}`` gives the distinct queries of the usable pairs of
+    a pool as large as the corpus; hashes: of each passage's document id); ``{"shard": -1, "unit": j}`` gives the
+    distinct queries of the usable pairs of
     work unit ``units[j]``, read by the pairs pass's own read operator (``make_read()``), as query rows (hashes 0),
     so that the corpus pass embeds them and the pairs pass loads no model."""
 
@@ -321,7 +326,7 @@ class _ChunkCorpus:
                 scan = scan_shard(self.shards[i], self.text_column, self.id_column, 0, 0, 1.0, self.spec,
                                   self.storage)
                 texts, hashes = [p for _, _, p in scan.pool], [h for _, h, _ in scan.pool]
-                skipped = json.dumps(scan.skipped)
+                skipped = json.dumps(scan.skipped) if scan.skipped else ""
                 if self.dedupe and texts:
                     texts, hashes = self._first_copies(texts, hashes)
             else:
@@ -439,11 +444,10 @@ def _passages_in_block(block) -> tuple[int, int, dict]:
 
     corpus, queries = (int(pc.sum(pc.list_value_length(_rows_of(block, q).column("passages"))).as_py() or 0)
                        for q in (False, True))
-    skipped: dict[str, int] = {}
+    skipped: Counter = Counter()
     for text in block.column("skipped").to_pylist():
-        for reason, n in (json.loads(text) if text else {}).items():
-            skipped[reason] = skipped.get(reason, 0) + n
-    return corpus, queries, skipped
+        skipped.update(json.loads(text) if text else {})
+    return corpus, queries, dict(skipped)
 
 
 def _make_teacher(cfg: NegativesConfig, device: str, threads: int):
@@ -467,8 +471,6 @@ def _first_line(e: BaseException) -> str:
 def _checkpoint_keys(path: str) -> set[str] | None:
     """The names of the weights a local model folder stores, read without loading a tensor (a sharded checkpoint's
     index, or model.safetensors' header); None when they cannot be listed so (a hub id, a single .bin file)."""
-    import os
-
     if not os.path.isdir(path):
         return None
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
@@ -600,10 +602,8 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
     wanted = n.index_shards or max(1, math.ceil(total / (n.index_shard_mb * 2 ** 20)))
     both = ray.get(submit(_passages_in_block, [(ref,) for ref, _, _ in blocks], num_cpus=light))
     counts, queries = [c for c, _, _ in both], sum(q for _, q, _ in both)
-    for _, _, skipped in both:
-        for reason, count in skipped.items():
-            if skipped_out is not None:
-                skipped_out[reason] = skipped_out.get(reason, 0) + count
+    if skipped_out is not None:
+        skipped_out.update(sum((Counter(s) for _, _, s in both), Counter()))
     if queries and wanted > 1:
         log.info("the index is sharded: the %d queries embedded with the corpus are not used (the pairs pass embeds "
                  "them)", queries)
