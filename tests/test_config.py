@@ -73,8 +73,8 @@ def test_each_command_validates_only_the_sections_it_uses(tmp_path):
         load_config(overrides=bad, sections=COMMAND_SECTIONS["mine"])
     with pytest.raises(ConfigError, match=r"related.n_related = 0"):
         load_config(overrides=bad)  # no sections named: every section
-    with pytest.raises(ConfigError, match=r"embed.batch_size = 0"):  # a section eval uses is still checked
-        load_config(overrides=["embed.batch_size=0"], sections=COMMAND_SECTIONS["eval"])
+    with pytest.raises(ConfigError, match=r"embed.batch_size = -1"):  # a section eval uses is still checked
+        load_config(overrides=["embed.batch_size=-1"], sections=COMMAND_SECTIONS["eval"])
     with pytest.raises(ConfigError, match=r"negatives.depth = 0"):
         load_negatives_config(overrides=["negatives.depth=0"])
     # Through the CLI: report with a bad mining-only value reaches its own check (the run folder), not the config's.

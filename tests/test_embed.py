@@ -5,8 +5,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pairmine.operators.embed import (Embedder, length_batches, padded_length, pick_dtype, vector_matrix,
-                                     vectors_array)
+from pairmine.operators.embed import (Embedder, auto_batch_size, length_batches, padded_length, pick_dtype,
+                                     vector_matrix, vectors_array)
 
 SENTENCES = [
     "A man is playing a guitar.",
@@ -84,6 +84,23 @@ def test_padded_lengths_and_token_budget_batches():
     assert [len(idx) for _, idx in length_batches([3] * 20, max_length=32, batch_size=2)] == [8, 8, 4]
 
 
+def test_batch_size_0_is_8_passages_per_cpu_thread_up_to_a_gpus_32(fp32):
+    assert [auto_batch_size("cpu", t) for t in (0, 1, 2, 3, 4, 64)] == [8, 8, 16, 24, 32, 32]
+    assert auto_batch_size("cuda", 1) == 32
+    e = Embedder(dtype="float32", device="cpu")
+    e._tokenizer, e._model, e.dim, e.device, e.dtype = fp32._tokenizer, fp32._model, fp32.dim, "cpu", "float32"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert e.batch_size == 0 and e.forward_rows() == 8
+        torch.set_num_threads(2)
+        assert e.forward_rows() == 16
+        e.batch_size = 5
+        assert e.forward_rows() == 5  # a batch_size given is kept
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_vectors_do_not_depend_on_the_batch(fp32):
     """The same passage gets the same vector (to 1e-6; bitwise on some CPUs, not on all: the matmul kernels picked
     for another batch size may sum in another order) whatever else is in its batch and whatever the batch size."""
@@ -107,6 +124,21 @@ def test_passages_cut_to_max_length_are_counted(fp32):
     batch = pa.table({"passages": [[SENTENCES[1]], [SENTENCES[0], exactly_16], [], [SENTENCES[1] * 2, SENTENCES[4], SENTENCES[1]]]})
     out = e(batch)
     assert out.column("n_token_truncated").to_pylist() == [1, 0, 0, 2]
+    _, truncated = e.encode_counted([SENTENCES[1], exactly_16, SENTENCES[3]])
+    assert truncated.tolist() == [True, False, False]
+    # A Rust-backed tokenizer's encodings keep what truncation cut off; with a Python one (no encodings, as
+    # transformers' PythonBackend gives) the passages at the limit are tokenized again in full
+    from transformers import BatchEncoding
+
+    class PythonTokenizer:
+        def __call__(self, *args, **kwargs):
+            return BatchEncoding(dict(fp32._tokenizer(*args, **kwargs)))
+
+        def pad(self, *args, **kwargs):
+            return fp32._tokenizer.pad(*args, **kwargs)
+
+    e._tokenizer = PythonTokenizer()
+    assert e._tokenizer(["x"]).encodings is None
     _, truncated = e.encode_counted([SENTENCES[1], exactly_16, SENTENCES[3]])
     assert truncated.tolist() == [True, False, False]
 
