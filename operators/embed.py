@@ -103,12 +103,23 @@ def text_keys(texts: list[str]) -> np.ndarray:
                                     "little", signed=True) for t in texts], dtype=np.int64)
 
 
-def known_vectors(texts: list[str], vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def known_vectors(texts: list[str], vectors: np.ndarray,
+                  aliases: list[tuple[str, str]] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The lookup an :class:`Embedder` takes as ``known``: (keys sorted (n,) int64, rows (n,) int64 into
-    ``vectors``, ``vectors`` (m, dim) float32). ``texts`` are the texts as embedded (prefix included)."""
+    ``vectors``, ``vectors`` (m, dim) float32). ``texts`` are the texts as embedded (prefix included), one per row
+    of ``vectors``. ``aliases``: (text, text of ``texts``) pairs, each adding a key for the first text that finds
+    the second's row (a text the model gives the same input ids as a text embedded, e.g. with outer whitespace); an
+    alias whose target is not among ``texts``, or that is itself one of them, adds nothing."""
     keys = text_keys(texts)
+    rows = np.arange(len(texts), dtype=np.int64)
+    if aliases:
+        row_of = {t: r for r, t in enumerate(texts)}
+        extra = [(a, row_of[t]) for a, t in dict(aliases).items() if t in row_of and a not in row_of]
+        if extra:
+            keys = np.concatenate([keys, text_keys([a for a, _ in extra])])
+            rows = np.concatenate([rows, np.array([r for _, r in extra], np.int64)])
     order = np.argsort(keys, kind="stable")
-    return keys[order], order.astype(np.int64), vectors
+    return keys[order], rows[order], vectors
 
 
 def padded_length(n_tokens: int, max_length: int, multiple: int = PAD_MULTIPLE) -> int:
@@ -263,9 +274,17 @@ class Embedder:
         self.setup_tokenizer()
         self.setup_model()
 
+    def setup_known(self) -> None:
+        """Load the ``known`` vectors once, nothing else: a call whose every passage is among them
+        (:meth:`encode`) needs neither tokenizer nor model, so an operator that expects that imports neither."""
+        if self._known_loader is not None and getattr(self, "_known", None) is None:
+            self._known = self._known_loader()  # (keys sorted (n,), rows (n,), vectors (m, dim)): see known_vectors
+            self.dim = int(self._known[2].shape[1])
+
     def setup_tokenizer(self) -> None:
         """Load the tokenizer and the ``known`` vectors once, not the model: an operator whose passages may all be
         known (:meth:`encode_counted` loads the model only for a passage it has to embed) starts without loading it."""
+        self.setup_known()
         if getattr(self, "_tokenizer", None) is not None:
             return
         import transformers
@@ -273,9 +292,6 @@ class Embedder:
 
         transformers.logging.disable_progress_bar()  # one "Loading weights" bar per actor is noise in job logs
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
-        if self._known_loader is not None:
-            self._known = self._known_loader()  # (keys sorted (n,), rows (n,), vectors (m, dim)): see known_vectors
-            self.dim = int(self._known[2].shape[1])
 
     def setup_model(self) -> None:
         """Load the model once (and the tokenizer, when not loaded yet)."""
@@ -307,7 +323,8 @@ class Embedder:
         return self.batch_size or auto_batch_size(self.device, torch.get_num_threads())
 
     def encode(self, passages: list[str], prefix: str | None = None) -> np.ndarray:
-        """Embed passages.
+        """Embed passages. A passage found in ``known`` is not tokenized, so a call whose every passage is known
+        loads no tokenizer and no model.
 
         Args:
             passages: texts without prefix; the configured prefix (or ``prefix``, e.g. "query: ") is added here.
@@ -315,16 +332,21 @@ class Embedder:
         Returns:
             (len(passages), dim) float32 array of L2-normalised mean-pooled vectors, in input order.
         """
-        return self.encode_counted(passages, prefix)[0]
+        return self.encode_counted(passages, prefix, count_truncated=False)[0]
 
-    def encode_counted(self, passages: list[str], prefix: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def encode_counted(self, passages: list[str], prefix: str | None = None,
+                       count_truncated: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`encode`, and which passages were cut to ``max_length`` tokens (the model saw only their start).
+
+        Args:
+            count_truncated: False leaves ``truncated`` all False for the passages found in ``known`` and tokenizes
+                only the others (:meth:`encode`).
 
         Returns:
             (vectors, truncated): (n, dim) float32 as :meth:`encode`; (n,) bool, True where the prefixed passage has
             more than ``max_length`` tokens.
         """
-        self.setup_tokenizer()
+        self.setup_known()
         if not self.dim:  # neither known vectors nor the model give the dimension yet
             self.setup_model()
         out = np.zeros((len(passages), self.dim), dtype=np.float32)
@@ -334,16 +356,6 @@ class Embedder:
             return out, truncated
         prefix = self.passage_prefix if prefix is None else prefix
         texts = [prefix + p for p in passages]
-        enc = self._tokenizer(texts, truncation=True, max_length=self.max_length, padding=False)
-        features = [{k: enc[k][i] for k in enc} for i in range(len(passages))]
-        lengths = [len(f["input_ids"]) for f in features]
-        at_limit = [i for i, n in enumerate(lengths) if n >= self.max_length]
-        encodings = getattr(enc, "encodings", None)  # a fast tokenizer's: each keeps what truncation cut off
-        if at_limit and encodings:
-            truncated[[i for i in at_limit if encodings[i].overflowing]] = True
-        elif at_limit:  # only these can have been cut: count their full length
-            full = self._tokenizer([texts[i] for i in at_limit], truncation=False, verbose=False)["input_ids"]
-            truncated[[i for i, ids in zip(at_limit, full) if len(ids) > self.max_length]] = True
         todo = np.arange(len(texts))
         if self._known is not None and len(self._known[0]):
             keys, rows, vectors = self._known
@@ -353,6 +365,22 @@ class Embedder:
             out[hit] = vectors[rows[pos[hit]]]  # computed by this model with this prefix in the pool pass
             todo = np.flatnonzero(~hit)
             self.last_reused = hit
+        tokenized = np.arange(len(texts)) if count_truncated else todo  # todo is always among them
+        if not len(tokenized):
+            return out, truncated
+        self.setup_tokenizer()
+        enc = self._tokenizer([texts[i] for i in tokenized], truncation=True, max_length=self.max_length,
+                              padding=False)
+        features = {int(i): {k: enc[k][j] for k in enc} for j, i in enumerate(tokenized)}
+        lengths = {i: len(f["input_ids"]) for i, f in features.items()}
+        at_limit = [j for j, i in enumerate(tokenized) if lengths[int(i)] >= self.max_length]
+        encodings = getattr(enc, "encodings", None)  # a fast tokenizer's: each keeps what truncation cut off
+        if at_limit and encodings:
+            truncated[[tokenized[j] for j in at_limit if encodings[j].overflowing]] = True
+        elif at_limit:  # only these can have been cut: count their full length
+            full = self._tokenizer([texts[tokenized[j]] for j in at_limit], truncation=False,
+                                   verbose=False)["input_ids"]
+            truncated[[tokenized[j] for j, ids in zip(at_limit, full) if len(ids) > self.max_length]] = True
         if not len(todo):
             return out, truncated
         import torch
@@ -360,10 +388,10 @@ class Embedder:
         self.setup_model()
         autocast = self.dtype in ("bfloat16", "float16") and self.device == "cpu"
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for length, sub in length_batches([lengths[i] for i in todo], self.max_length, self.forward_rows()):
+            for length, sub in length_batches([lengths[int(i)] for i in todo], self.max_length, self.forward_rows()):
                 idx = todo[sub]
                 batch = self._tokenizer.pad(
-                    [features[j] for j in idx], padding="max_length", max_length=length, return_tensors="pt"
+                    [features[int(j)] for j in idx], padding="max_length", max_length=length, return_tensors="pt"
                 ).to(self.device)
                 hidden = self._model(**batch).last_hidden_state  # (batch, length, dim)
                 pooled = torch.nn.functional.normalize(mean_pool(hidden, batch["attention_mask"]).float(), dim=-1)

@@ -167,19 +167,36 @@ class EmbedPairVectors(EmbedPairs):
         super().__init__(query_prefix, known=known, **embedder_kwargs)
 
     def setup(self) -> None:
-        """Tokenizer and ``known`` vectors now; with ``known``, the model only once a text is not among them (when
-        the corpus pass embedded the queries too, a pairs actor that finds every positive in the corpus never loads
-        it)."""
-        self.embedder.setup_tokenizer()
-        if self.embedder._known is None:
-            self.embedder.setup_model()
+        """With ``known``, only its vectors now: the tokenizer once a text is not found as it is, the model once a
+        text is not found at all (when the corpus pass embedded the queries and looked up the positives' forms, a
+        pairs actor that finds every text in ``known`` imports neither transformers nor torch). Without ``known``,
+        tokenizer and model."""
+        if self.embedder._known_loader is None:
+            self.embedder.setup()
+        else:
+            self.embedder.setup_known()
 
     def texts_to_embed(self, texts: list[str], prefix: str) -> list[str]:
-        """Each text as it is looked up in ``known`` (:func:`lookup_forms`)."""
-        self.embedder.setup_tokenizer()
-        if self.embedder._known is None:
+        """Each text as it is looked up in ``known``: as it is when ``known`` has it (the corpus pass stores the
+        forms it found for the pairs' texts as aliases), else its :func:`lookup_forms` form."""
+        if self.embedder._known_loader is None:
             return texts
-        return lookup_forms(self.embedder._tokenizer, self.embedder.max_length, texts, prefix)
+        from pairmine.operators.embed import text_keys
+
+        self.embedder.setup_known()
+        keys = self.embedder._known[0]
+        wanted = text_keys([prefix + t for t in texts])
+        found = (keys[np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)] == wanted if len(keys)
+                 else np.zeros(len(texts), bool))
+        missing = [i for i in range(len(texts)) if not found[i]]
+        if not missing:
+            return texts
+        self.embedder.setup_tokenizer()
+        forms = lookup_forms(self.embedder._tokenizer, self.embedder.max_length, [texts[i] for i in missing], prefix)
+        out = list(texts)
+        for i, form in zip(missing, forms):
+            out[i] = form
+        return out
 
 
 _INVISIBLE = ("Zs", "Zl", "Zp", "Cc", "Cf")  # Unicode categories of spaces, controls and format characters (U+200B)
@@ -219,31 +236,50 @@ def lookup_forms(tokenizer, max_length: int, texts: list[str], prefix: str) -> l
 
 
 class EmbedCorpus(Embedder):
-    """Embed operator of the negatives corpus pass: rows of ``passages`` (list<string>) and ``query_rows`` (bool).
-    Corpus rows are embedded as :class:`operators.embed.Embedder` does (passage prefix); query rows (the pairs'
-    queries, embedded in the same pass so that the pairs pass needs no model of its own) with ``query_prefix``, their
-    texts first put in the form the pairs pass looks up (:func:`lookup_forms`, written back to ``passages``).
-    Adds ``vectors``, ``n_token_truncated`` and ``n_vector_reused`` as the Embedder does. Other args as
-    :class:`operators.embed.Embedder`."""
+    """Embed operator of the negatives corpus pass: rows of ``passages`` (list<string>), ``query_rows`` (bool) and
+    ``positives`` (list<string>). Corpus rows are embedded as :class:`operators.embed.Embedder` does (passage
+    prefix); query rows (the pairs' queries, embedded in the same pass so that the pairs pass needs no model of its
+    own) with ``query_prefix``, their texts first put in the form the pairs pass looks up (:func:`lookup_forms`,
+    written back to ``passages``). A query row's ``positives`` (the pairs' positives) are not embedded: their
+    lookup forms are found, so that the pairs pass finds a positive that is a corpus passage up to outer whitespace
+    without a tokenizer. Adds ``vectors``, ``n_token_truncated`` and ``n_vector_reused`` as the Embedder does, and
+    ``alias_keys`` / ``alias_targets`` (list<string>, prefixed texts: each text of the row whose lookup form differs,
+    and that form); drops ``positives``. Other args as :class:`operators.embed.Embedder`."""
 
     def __init__(self, query_prefix: str = "", **embedder_kwargs):
         super().__init__(**embedder_kwargs)
         self.query_prefix = query_prefix
 
+    def _aliases(self, texts: list[str], prefix: str) -> tuple[list[str], list[str], list[str]]:
+        """(lookup forms of ``texts``; prefixed texts whose form differs; their prefixed forms)."""
+        forms = lookup_forms(self._tokenizer, self.max_length, texts, prefix)
+        pairs = [(prefix + t, prefix + f) for t, f in zip(texts, forms) if t != f]
+        return forms, [a for a, _ in pairs], [b for _, b in pairs]
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         self.setup_tokenizer()
         flags = batch.column("query_rows").to_numpy(zero_copy_only=False)
+        n = batch.num_rows
+        keys, targets = [[] for _ in range(n)], [[] for _ in range(n)]
+        positives = batch.column("positives").to_pylist() if "positives" in batch.column_names else [[]] * n
+        batch = batch.drop_columns([c for c in ("positives",) if c in batch.column_names])
         if not flags.any():
-            return super().__call__(batch)
-        passages = batch.column("passages").to_pylist()
-        for i in np.flatnonzero(flags):
-            passages[i] = lookup_forms(self._tokenizer, self.max_length, passages[i], self.query_prefix)
-        tables = []
-        for i in range(batch.num_rows):  # one prefix per row; rows keep their order
-            row = batch.slice(i, 1).set_column(batch.schema.get_field_index("passages"), "passages",
-                                               pa.array([passages[i]], pa.list_(pa.string())))
-            tables.append(self.embed_rows(row, self.query_prefix if flags[i] else None))
-        return pa.concat_tables(tables)
+            out = super().__call__(batch)
+        else:
+            passages = batch.column("passages").to_pylist()
+            for i in np.flatnonzero(flags):
+                passages[i], keys[i], targets[i] = self._aliases(passages[i], self.query_prefix)
+                _, more_keys, more_targets = self._aliases(positives[i], self.passage_prefix)
+                keys[i] += more_keys
+                targets[i] += more_targets
+            tables = []
+            for i in range(n):  # one prefix per row; rows keep their order
+                row = batch.slice(i, 1).set_column(batch.schema.get_field_index("passages"), "passages",
+                                                   pa.array([passages[i]], pa.list_(pa.string())))
+                tables.append(self.embed_rows(row, self.query_prefix if flags[i] else None))
+            out = pa.concat_tables(tables)
+        return (out.append_column("alias_keys", pa.array(keys, pa.list_(pa.string())))
+                .append_column("alias_targets", pa.array(targets, pa.list_(pa.string()))))
 
 
 class PassageKeys:

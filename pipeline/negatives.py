@@ -290,11 +290,12 @@ class _ChunkCorpus:
     """Chunk operator of the corpus pass: a batch of items -> rows of up to ``per_row`` texts (``passages``
     list<string>, ``hashes`` list<int64>, ``query_rows`` bool, ``skipped``: on a corpus shard's first row, JSON of its
     documents skipped by reason, ``{"empty_text": 2, "no_passage": 1}``, else ""). An item
+    ``positives`` list<string>: on a query unit's first row, its pairs' distinct positives, else empty. An item
     ``{"shard": i, "unit": -1}`` gives every usable passage of corpus shard i (:func:`pipeline.inputs.scan_shard` with
     a pool as large as the corpus; hashes: of each passage's document id); ``{"shard": -1, "unit": j}`` gives the
     distinct queries of the usable pairs of
     work unit ``units[j]``, read by the pairs pass's own read operator (``make_read()``), as query rows (hashes 0),
-    so that the corpus pass embeds them and the pairs pass loads no model."""
+    so that the corpus pass embeds them (and finds the positives' lookup forms) and the pairs pass loads no model."""
 
     per_row = EMBED_CALL_PASSAGES
 
@@ -311,17 +312,19 @@ class _ChunkCorpus:
                                out=np.zeros(len(texts), bool))
         return [t for t, f in zip(texts, first) if f], [h for h, f in zip(hashes, first) if f]
 
-    def _queries(self, unit: dict) -> list[str]:
+    def _queries(self, unit: dict) -> tuple[list[str], list[str]]:
+        """The distinct queries and the distinct positives of the unit's usable pairs."""
         import pyarrow.compute as pc
 
         pairs = self.make_read()(pa.Table.from_pylist([unit]))
         usable = pairs.filter(pc.is_null(pairs.column("skip_reason")))
-        return list(dict.fromkeys(usable.column("query").to_pylist()))
+        return (list(dict.fromkeys(usable.column("query").to_pylist())),
+                list(dict.fromkeys(usable.column("passage").to_pylist())))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        rows: list[tuple[list[str], list[int], bool, str]] = []
+        rows: list[tuple[list[str], list[int], bool, str, list[str]]] = []
         for i, j in zip(batch.column("shard").to_pylist(), batch.column("unit").to_pylist()):
-            skipped = ""
+            skipped, positives = "", []
             if i >= 0:
                 scan = scan_shard(self.shards[i], self.text_column, self.id_column, 0, 0, 1.0, self.spec,
                                   self.storage)
@@ -330,15 +333,18 @@ class _ChunkCorpus:
                 if self.dedupe and texts:
                     texts, hashes = self._first_copies(texts, hashes)
             else:
-                texts = self._queries(self.units[j])
+                texts, positives = self._queries(self.units[j])
                 hashes = [0] * len(texts)
-            # The shard's skipped documents ride on its first row (a row without passages when it has none).
-            rows += [(texts[k:k + self.per_row], hashes[k:k + self.per_row], i < 0, skipped if k == 0 else "")
-                     for k in range(0, max(len(texts), 1 if skipped else 0), self.per_row)]
+            # The shard's skipped documents ride on its first row (a row without passages when it has none), as do
+            # a unit's positives.
+            for k in range(0, max(len(texts), 1 if skipped else 0), self.per_row):
+                rows.append((texts[k:k + self.per_row], hashes[k:k + self.per_row], i < 0,
+                             skipped if k == 0 else "", positives if k == 0 else []))
         return pa.table({"passages": pa.array([r[0] for r in rows], pa.list_(pa.string())),
                          "hashes": pa.array([r[1] for r in rows], pa.list_(pa.int64())),
                          "query_rows": pa.array([r[2] for r in rows], pa.bool_()),
-                         "skipped": pa.array([r[3] for r in rows], pa.string())})
+                         "skipped": pa.array([r[3] for r in rows], pa.string()),
+                         "positives": pa.array([r[4] for r in rows], pa.list_(pa.string()))})
 
 
 def ask_key_ranges(actors: list, method: str, texts: list[str], *arrays: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -380,8 +386,9 @@ def build_index_shard(kind: str, nprobe: int, ef_search: int, depth: int, probes
         (index bytes, text hashes (n,), document hashes (n,), texts); ``{"passages": n, "index": description,
         "recall": recall@depth of the shard's index against exact search of the shard, or None}``; and with
         ``known_prefix`` not None, the shard's vectors as an Embedder's ``known`` lookup (keys of ``known_prefix``
-        + text) together with the query rows' vectors of every block given (keys of ``query_prefix`` + text), else
-        None.
+        + text) together with the query rows' vectors of every block given (keys of ``query_prefix`` + text) and
+        the query rows' aliases (``alias_keys`` -> ``alias_targets``, :class:`operators.negatives.EmbedCorpus`),
+        else None.
     """
     import faiss
 
@@ -405,13 +412,15 @@ def build_index_shard(kind: str, nprobe: int, ef_search: int, depth: int, probes
              pa.array(texts, pa.string()))
     known = None
     if known_prefix is not None:
-        keys, mats = [known_prefix + t for t in texts], [vectors]
+        keys, mats, aliases = [known_prefix + t for t in texts], [vectors], []
         for block in blocks:
             queries = _rows_of(block, queries=True)
             if queries.num_rows:
                 mats.append(vector_matrix(queries.column("vectors"))[0])
                 keys += [query_prefix + t for t in queries.column("passages").combine_chunks().flatten().to_pylist()]
-        known = known_vectors(keys, np.concatenate(mats) if len(mats) > 1 else vectors)
+                aliases += zip(queries.column("alias_keys").combine_chunks().flatten().to_pylist(),
+                               queries.column("alias_targets").combine_chunks().flatten().to_pylist())
+        known = known_vectors(keys, np.concatenate(mats) if len(mats) > 1 else vectors, aliases)
     return shard, {"passages": len(texts), "index": desc, "recall": recall}, known
 
 

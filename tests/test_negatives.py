@@ -374,6 +374,58 @@ def test_the_corpus_pass_embeds_query_rows_with_the_query_prefix(tiny_model_dir)
                            reference.encode(["where is the mill?"], prefix="query: ")])
     assert np.abs(got - want).max() < 1e-6
     assert np.abs(got[2] - reference.encode(["where is the mill?"])[0]).max() > 1e-3  # the prefix counts
+    assert out.column("alias_keys").to_pylist() == [[], ["query:  \u200bwhere is the mill? "]]
+    assert out.column("alias_targets").to_pylist() == [[], ["query: where is the mill?"]]
+
+
+def test_the_pairs_pass_finds_texts_by_their_aliases_without_a_tokenizer(tiny_model_dir, tmp_path):
+    """The corpus pass stores each query's and positive's lookup form as an alias (raw prefixed text -> the form's
+    key) in the index shard's ``known`` lookup; a pairs-pass actor given that lookup takes a query and a positive
+    written with outer whitespace from it, in a process that imports neither transformers nor torch. A positive
+    not in the corpus has no alias and is embedded (with the model) as before."""
+    import subprocess
+    import sys
+
+    from pairmine.operators.embed import Embedder
+    from pairmine.operators.negatives import EmbedCorpus
+    from pairmine.pipeline.negatives import build_index_shard
+
+    kw = dict(model=str(tiny_model_dir), dtype="float32", device="cpu")
+    query, positive = " \u200bwhere is the mill? ", " The mill by the river.\n"
+    batch = pa.table({"passages": [["The mill by the river.", "Corn prices rose."], [query]], "hashes": [[1, 1], [0]],
+                      "query_rows": [False, True], "positives": [[], [positive, "Not in the corpus."]]})
+    out = EmbedCorpus("query: ", passage_prefix="passage: ", **kw)(batch)
+    assert "positives" not in out.column_names
+    assert out.column("alias_keys").to_pylist()[1] == ["query: " + query, "passage: " + positive]
+    assert out.column("alias_targets").to_pylist()[1] == ["query: where is the mill?",
+                                                          "passage: The mill by the river."]
+    _, info, (keys, rows, vectors) = build_index_shard("flat", 1, 1, 10, 0, "passage: ", "query: ", None, [(0, 2)],
+                                                       out)
+    assert info["passages"] == 2 and len(keys) == 5 and sorted(rows.tolist()) == [0, 0, 1, 2, 2]
+    np.savez(tmp_path / "known.npz", keys=keys, rows=rows, vectors=vectors)
+    pq.write_table(pa.table({"query": [query, query], "passage": [positive, "Not in the corpus."],
+                             "skip_reason": pa.nulls(2, pa.string())}), tmp_path / "pairs.parquet")
+    probe = f"""
+import sys, numpy as np, pyarrow.parquet as pq
+from pairmine.operators.negatives import EmbedPairVectors
+z = np.load({str(tmp_path / "known.npz")!r})
+op = EmbedPairVectors("query: ", lambda: (z["keys"], z["rows"], z["vectors"]), model={str(tiny_model_dir)!r},
+                      passage_prefix="passage: ", dtype="float32", device="cpu")
+op.setup()
+first = op(pq.read_table({str(tmp_path / "pairs.parquet")!r}).slice(0, 1))
+print(first.column("vectors_reused").to_pylist()[0], "transformers" in sys.modules, "torch" in sys.modules)
+both = op(pq.read_table({str(tmp_path / "pairs.parquet")!r}))
+print(both.column("vectors_reused").to_pylist(), "transformers" in sys.modules)
+np.save({str(tmp_path / "vectors.npy")!r}, np.stack([np.stack(both.column(c).to_pylist()) for c in
+                                                     ("query_vector", "passage_vector")]))
+"""
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["2 False False", "[2, 1] True"]
+    got = np.load(tmp_path / "vectors.npy")  # (query/passage, pair, dim)
+    reference = Embedder(passage_prefix="passage: ", **kw)
+    assert np.abs(got[0] - reference.encode(["where is the mill?"] * 2, prefix="query: ")).max() < 1e-6
+    assert np.abs(got[1] - reference.encode(["The mill by the river.", "Not in the corpus."])).max() < 1e-6
 
 
 def test_model_dim_reads_a_local_config_as_json(tiny_model_dir, tmp_path):
