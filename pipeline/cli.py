@@ -710,10 +710,24 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None  # kept across init_ray's ray.init
     try:
-        return _run(parser, args)
+        code = _run(parser, args)
+        if code == 0 and argv is None:
+            _shutdown_ray()
+        return code
     finally:
         if main_thread and previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _shutdown_ray() -> None:
+    """Shut Ray down after a command that succeeded, run as a program (``main()`` without argv): Ray's own exit
+    hook would first sleep 0.5 s so that workers' last error messages can print, and a run that succeeded has none
+    to wait for. A caller that passes argv (tests, a library) keeps its Ray."""
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 def _run(parser, args) -> int:

@@ -601,15 +601,18 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
         rows = sum(r for _, r, _ in blocks)
         return f"{rows} corpus batch{'' if rows == 1 else 'es'} of up to {_ChunkCorpus.per_row} passages embedded"
 
+    counting = []  # each block's counts, asked for as it comes (on a core the embed actors leave free)
     for item in watched(iter_block_refs(ds), [chunk, embed], done, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s,
                         every_s=PROGRESS_EVERY_S, label="corpus"):
         blocks.append(item)
+        if item[1] > 0:
+            counting += submit(_passages_in_block, [(item[0],)], num_cpus=light)
     if figures_out is not None:
         figures_out.extend(stage_figures(ds, "corpus: "))
     blocks = [b for b in blocks if b[1] > 0]
     total = sum(size for _, _, size in blocks)
     wanted = n.index_shards or max(1, math.ceil(total / (n.index_shard_mb * 2 ** 20)))
-    both = ray.get(submit(_passages_in_block, [(ref,) for ref, _, _ in blocks], num_cpus=light))
+    both = ray.get(counting)
     counts, queries = [c for c, _, _ in both], sum(q for _, q, _ in both)
     if skipped_out is not None:
         skipped_out.update(sum((Counter(s) for _, _, s in both), Counter()))
