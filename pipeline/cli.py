@@ -720,14 +720,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _shutdown_ray() -> None:
-    """Shut Ray down after a command that succeeded, run as a program (``main()`` without argv): Ray's own exit
-    hook would first sleep 0.5 s so that workers' last error messages can print, and a run that succeeded has none
-    to wait for. A caller that passes argv (tests, a library) keeps its Ray."""
-    if "ray" in sys.modules:
+    """Shut down the private local Ray this command started (:func:`pipeline.ray_adapter.init_ray`) after it
+    succeeded, run as a program (``main()`` without argv): Ray's own exit hook would first sleep 0.5 s for workers'
+    last messages, which a run that succeeded can do without (a worker's log line still in flight may be lost). A
+    caller that passes argv (tests, a library) keeps its Ray, as does one that started Ray itself. The run is
+    committed by now, so a signal or an error during the shutdown is ignored; Ray's exit hook then does the rest."""
+    from pairmine.pipeline import ray_adapter
+
+    if not ray_adapter.started_private_ray:
+        return
+    try:
         import ray
 
-        if ray.is_initialized():
-            ray.shutdown()
+        ray.shutdown()
+        ray_adapter.started_private_ray = False
+    except BaseException as e:  # noqa: BLE001 - Ctrl-C or SIGTERM here must not turn a committed run into a failure
+        logging.getLogger("pairmine").debug("Ray's shutdown: %r", e)
 
 
 def _run(parser, args) -> int:

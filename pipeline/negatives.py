@@ -289,9 +289,8 @@ def _make_search_select(shard_ref, cfg: NegativesConfig, threads: int, device: s
 class _ChunkCorpus:
     """Chunk operator of the corpus pass: a batch of items -> rows of up to ``per_row`` texts (``passages``
     list<string>, ``hashes`` list<int64>, ``query_rows`` bool, ``skipped``: on a corpus shard's first row, JSON of its
-    documents skipped by reason, ``{"empty_text": 2, "no_passage": 1}``, else ""). An item
-    ``positives`` list<string>: on a query unit's first row, its pairs' distinct positives, else empty. An item
-    ``{"shard": i, "unit": -1}`` gives every usable passage of corpus shard i (:func:`pipeline.inputs.scan_shard` with
+    documents skipped by reason, ``{"empty_text": 2, "no_passage": 1}``, else "", ``positives`` list<string>: on a
+    query unit's first row, its pairs' distinct positives, else empty). An item ``{"shard": i, "unit": -1}`` gives every usable passage of corpus shard i (:func:`pipeline.inputs.scan_shard` with
     a pool as large as the corpus; hashes: of each passage's document id); ``{"shard": -1, "unit": j}`` gives the
     distinct queries of the usable pairs of
     work unit ``units[j]``, read by the pairs pass's own read operator (``make_read()``), as query rows (hashes 0),
@@ -602,11 +601,12 @@ def build_corpus_index(cfg: NegativesConfig, corpus_shards: list[Shard], text_co
         return f"{rows} corpus batch{'' if rows == 1 else 'es'} of up to {_ChunkCorpus.per_row} passages embedded"
 
     counting = []  # each block's counts, asked for as it comes (on a core the embed actors leave free)
+    count = ray.remote(_passages_in_block).options(num_cpus=light)  # exported once
     for item in watched(iter_block_refs(ds), [chunk, embed], done, cfg.ray.stall_warn_s, cfg.ray.stall_limit_s,
                         every_s=PROGRESS_EVERY_S, label="corpus"):
         blocks.append(item)
         if item[1] > 0:
-            counting += submit(_passages_in_block, [(item[0],)], num_cpus=light)
+            counting.append(count.remote(item[0]))
     if figures_out is not None:
         figures_out.extend(stage_figures(ds, "corpus: "))
     blocks = [b for b in blocks if b[1] > 0]

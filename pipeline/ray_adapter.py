@@ -101,6 +101,10 @@ def _own_sigterm_handler():
             signal.signal(signal.SIGTERM, before)
 
 
+started_private_ray = False
+"""Whether :func:`init_ray` started a private local Ray in this process (the CLI shuts that one down itself)."""
+
+
 def init_ray(address: str = "", num_cpus: int = 0) -> str:
     """Connect to the Ray cluster at ``address`` (else ``$RAY_ADDRESS``), or start a private local Ray.
 
@@ -150,6 +154,8 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
     try:
         with _own_sigterm_handler():
             ray.init(**kwargs)
+        global started_private_ray
+        started_private_ray = True
     finally:
         for key, value in before.items():
             if value is None:

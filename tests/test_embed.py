@@ -145,16 +145,20 @@ def test_passages_cut_to_max_length_are_counted(fp32):
 
 def test_an_embedder_whose_passages_are_all_known_loads_no_model(fp32):
     """A call whose every passage is known (the negatives pairs pass, when the corpus pass embedded the queries)
-    loads the tokenizer and the known vectors only: the model stays unloaded until a passage must be embedded."""
+    loads the known vectors only: tokenizer and model stay unloaded until a passage must be embedded; counting
+    truncation (``encode_counted``, as mining does) tokenizes the known passages too, still without the model."""
     from pairmine.operators.embed import known_vectors
 
     vectors = fp32.encode(SENTENCES)
     e = Embedder(dtype="float32", device="cpu", known=lambda: known_vectors(SENTENCES, vectors))
-    e.setup_tokenizer()
-    assert e._model is None and e.dim == vectors.shape[1]
+    e.setup_known()
+    assert e._model is None and e._tokenizer is None and e.dim == vectors.shape[1]
     got = e.encode([SENTENCES[2], SENTENCES[0]])
-    assert e._model is None and e.last_reused.tolist() == [True, True]
+    assert e._model is None and e._tokenizer is None and e.last_reused.tolist() == [True, True]
     assert np.array_equal(got, vectors[[2, 0]])
+    got, truncated = e.encode_counted([SENTENCES[2], SENTENCES[0]])
+    assert e._model is None and e._tokenizer is not None and np.array_equal(got, vectors[[2, 0]])
+    assert not truncated.any()
     fresh = e.encode(["A sentence no one embedded before."])  # now the model loads
     assert e._model is not None and not e.last_reused.any()
     assert np.abs(fresh - fp32.encode(["A sentence no one embedded before."])).max() < 1e-6
@@ -171,7 +175,7 @@ def test_known_vectors_are_reused_without_a_forward_pass(fp32):
     pool_vectors = fp32.encode(pool)
     e = Embedder(dtype="float32", device="cpu", passage_prefix="", known=lambda: known_vectors(pool, pool_vectors))
     e._tokenizer, e._model, e.dim, e.device, e.dtype = fp32._tokenizer, fp32._model, fp32.dim, "cpu", "float32"
-    e._known = e._known_loader()  # what setup() does after loading the model
+    e._known = e._known_loader()  # what setup_known() does
     vectors, truncated = e.encode_counted(texts)
     assert e.last_reused.tolist() == [False, True, False, True, False, True, False] and not truncated.any()
     assert np.array_equal(vectors[[1, 3, 5]], pool_vectors[:3])  # taken from the pool, not recomputed
