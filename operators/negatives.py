@@ -112,8 +112,10 @@ def select_negatives(ids: np.ndarray, scores: np.ndarray, text_hashes: np.ndarra
 
 
 def text_hash(text: str) -> int:
-    """The identity of a passage for "exact duplicate of the positive": ``doc_hash`` of its normalised form."""
-    return doc_hash(normalise_passage(text))
+    """The identity of a passage for "exact duplicate of the positive": ``doc_hash`` of its normalised form
+    (:func:`operators.chunk.normalise_passage`) without outer whitespace, control and format characters
+    (:func:`outer_trim`), so that a positive written as ``"\x00Yes.\u2060"`` is its corpus passage ``"Yes."``."""
+    return doc_hash(normalise_passage(outer_trim(text)))
 
 
 class ReadGroupPairs:

@@ -143,11 +143,11 @@ def resolve_input(cfg: NegativesConfig, storage) -> tuple[str, list[Shard]]:
                                     "give a mine run, a filter-pairs run, or parquet/JSONL (query, passage) pairs"))
     if run is not None:
         embed = (run.get("config") or {}).get("embed") or {}
-        if not cfg.embed.model and embed.get("model"):
+        if not cfg.embed.model and "model" in embed:  # the run's model, also when it is the default one ("")
             for key in ("model", "passage_prefix", "query_prefix", "max_length", "dtype", "trust_remote_code"):
                 if key in embed:
                     cfg.set(f"embed.{key}", embed[key])
-            log.info("embedding with the input run's own embed settings: %s", embed.get("model"))
+            log.info("embedding with the input run's own embed settings: %s", embed["model"] or "the default model")
     if run is not None and storage.exists(f"{root}/groups"):
         shards = discover_shards(f"{root}/groups", "parquet", storage)
         check_parquet_shards(shards, ("anchor_text", "group_id", "doc_id"), storage)

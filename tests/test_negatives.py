@@ -352,6 +352,33 @@ def test_outer_trim_and_lookup_forms():
     ids = tokenizer(["query: " + t for t in texts[:3]])["input_ids"]
     assert ids == tokenizer(["query: Estimated costs", "query: plain", "query: BOM first"])["input_ids"]
     assert lookup_forms(tokenizer, 256, ["same"], "") == ["same"]
+    # A positive with invisible characters at its ends is its own corpus passage for "positive_duplicate"
+    from pairmine.operators.negatives import text_hash
+
+    assert text_hash("\x00I finally got one.\u2060") == text_hash(" \u200bI  finally got ONE.\ufeff") == \
+        text_hash("I finally got one.") != text_hash("I finally got one")
+
+
+def test_a_default_model_mine_run_gives_negatives_its_own_embed_settings(tiny_run, tmp_path):
+    """A mine run made with the default model (``embed.model`` recorded as "") still lends its prefixes, dtype and
+    max_length to ``negatives --input RUN`` when the negatives config sets no model."""
+    import shutil
+
+    from pairmine.operators.storage import LOCAL
+    from pairmine.pipeline.config import load_negatives_config
+    from pairmine.pipeline.negatives import resolve_input
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run[0], run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["config"]["embed"].update(model="", query_prefix="query: ", passage_prefix="passage: ", dtype="float32",
+                                       max_length=128)
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    cfg = load_negatives_config(overrides=[f"input.path={run}"])
+    assert resolve_input(cfg, LOCAL)[0] == "groups"
+    e = cfg.embed
+    assert (e.model, e.query_prefix, e.passage_prefix, e.dtype, e.max_length) == ("", "query: ", "passage: ",
+                                                                                  "float32", 128)
 
 
 def test_the_corpus_pass_embeds_query_rows_with_the_query_prefix(tiny_model_dir):
