@@ -122,6 +122,17 @@ def known_vectors(texts: list[str], vectors: np.ndarray,
     return keys[order], rows[order], vectors
 
 
+def find_known(known: tuple[np.ndarray, np.ndarray, np.ndarray], texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Which ``texts`` (as embedded, prefix included) a :func:`known_vectors` lookup holds: (hit (n,) bool, rows
+    (n,) int64 into its vectors, meaningful where hit)."""
+    keys, rows, _ = known
+    wanted = text_keys(texts)
+    if not len(keys):
+        return np.zeros(len(texts), bool), np.zeros(len(texts), np.int64)
+    pos = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+    return keys[pos] == wanted, rows[pos]
+
+
 def padded_length(n_tokens: int, max_length: int, multiple: int = PAD_MULTIPLE) -> int:
     """The length a passage of ``n_tokens`` tokens is padded to: the next multiple of ``multiple``, at most
     ``max_length``. ``padded_length(17, 256) == 24``; ``padded_length(250, 250) == 250``."""
@@ -357,30 +368,27 @@ class Embedder:
         prefix = self.passage_prefix if prefix is None else prefix
         texts = [prefix + p for p in passages]
         todo = np.arange(len(texts))
-        if self._known is not None and len(self._known[0]):
-            keys, rows, vectors = self._known
-            wanted = text_keys(texts)
-            pos = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
-            hit = keys[pos] == wanted
-            out[hit] = vectors[rows[pos[hit]]]  # computed by this model with this prefix in the pool pass
+        if self._known is not None:
+            hit, rows = find_known(self._known, texts)
+            out[hit] = self._known[2][rows[hit]]  # computed by this model with this prefix in an earlier pass
             todo = np.flatnonzero(~hit)
             self.last_reused = hit
-        tokenized = np.arange(len(texts)) if count_truncated else todo  # todo is always among them
+        tokenized = np.arange(len(texts)) if count_truncated else todo  # ascending; todo is always among them
         if not len(tokenized):
             return out, truncated
         self.setup_tokenizer()
         enc = self._tokenizer([texts[i] for i in tokenized], truncation=True, max_length=self.max_length,
                               padding=False)
-        features = {int(i): {k: enc[k][j] for k in enc} for j, i in enumerate(tokenized)}
-        lengths = {i: len(f["input_ids"]) for i, f in features.items()}
-        at_limit = [j for j, i in enumerate(tokenized) if lengths[int(i)] >= self.max_length]
+        features = [{k: enc[k][j] for k in enc} for j in range(len(tokenized))]  # aligned with tokenized
+        lengths = [len(f["input_ids"]) for f in features]
+        at_limit = [j for j, n in enumerate(lengths) if n >= self.max_length]
         encodings = getattr(enc, "encodings", None)  # a fast tokenizer's: each keeps what truncation cut off
         if at_limit and encodings:
-            truncated[[tokenized[j] for j in at_limit if encodings[j].overflowing]] = True
+            truncated[tokenized[[j for j in at_limit if encodings[j].overflowing]]] = True
         elif at_limit:  # only these can have been cut: count their full length
             full = self._tokenizer([texts[tokenized[j]] for j in at_limit], truncation=False,
                                    verbose=False)["input_ids"]
-            truncated[[tokenized[j] for j, ids in zip(at_limit, full) if len(ids) > self.max_length]] = True
+            truncated[tokenized[[j for j, ids in zip(at_limit, full) if len(ids) > self.max_length]]] = True
         if not len(todo):
             return out, truncated
         import torch
@@ -388,10 +396,11 @@ class Embedder:
         self.setup_model()
         autocast = self.dtype in ("bfloat16", "float16") and self.device == "cpu"
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for length, sub in length_batches([lengths[int(i)] for i in todo], self.max_length, self.forward_rows()):
+            where = np.searchsorted(tokenized, todo)  # todo's places among the tokenized
+            for length, sub in length_batches([lengths[j] for j in where], self.max_length, self.forward_rows()):
                 idx = todo[sub]
                 batch = self._tokenizer.pad(
-                    [features[int(j)] for j in idx], padding="max_length", max_length=length, return_tensors="pt"
+                    [features[j] for j in where[sub]], padding="max_length", max_length=length, return_tensors="pt"
                 ).to(self.device)
                 hidden = self._model(**batch).last_hidden_state  # (batch, length, dim)
                 pooled = torch.nn.functional.normalize(mean_pool(hidden, batch["attention_mask"]).float(), dim=-1)

@@ -183,14 +183,11 @@ class EmbedPairVectors(EmbedPairs):
         forms it found for the pairs' texts as aliases), else its :func:`lookup_forms` form."""
         if self.embedder._known_loader is None:
             return texts
-        from pairmine.operators.embed import text_keys
+        from pairmine.operators.embed import find_known
 
         self.embedder.setup_known()
-        keys = self.embedder._known[0]
-        wanted = text_keys([prefix + t for t in texts])
-        found = (keys[np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)] == wanted if len(keys)
-                 else np.zeros(len(texts), bool))
-        missing = [i for i in range(len(texts)) if not found[i]]
+        found, _ = find_known(self.embedder._known, [prefix + t for t in texts])
+        missing = np.flatnonzero(~found).tolist()
         if not missing:
             return texts
         self.embedder.setup_tokenizer()

@@ -290,11 +290,12 @@ class _ChunkCorpus:
     """Chunk operator of the corpus pass: a batch of items -> rows of up to ``per_row`` texts (``passages``
     list<string>, ``hashes`` list<int64>, ``query_rows`` bool, ``skipped``: on a corpus shard's first row, JSON of its
     documents skipped by reason, ``{"empty_text": 2, "no_passage": 1}``, else "", ``positives`` list<string>: on a
-    query unit's first row, its pairs' distinct positives, else empty). An item ``{"shard": i, "unit": -1}`` gives every usable passage of corpus shard i (:func:`pipeline.inputs.scan_shard` with
-    a pool as large as the corpus; hashes: of each passage's document id); ``{"shard": -1, "unit": j}`` gives the
-    distinct queries of the usable pairs of
-    work unit ``units[j]``, read by the pairs pass's own read operator (``make_read()``), as query rows (hashes 0),
-    so that the corpus pass embeds them (and finds the positives' lookup forms) and the pairs pass loads no model."""
+    query unit's first row, its pairs' distinct positives, else empty). An item ``{"shard": i, "unit": -1}`` gives
+    every usable passage of corpus shard i (:func:`pipeline.inputs.scan_shard` with a pool as large as the corpus;
+    hashes: of each passage's document id); ``{"shard": -1, "unit": j}`` gives the distinct queries of the usable
+    pairs of work unit ``units[j]``, read by the pairs pass's own read operator (``make_read()``), as query rows
+    (hashes 0), so that the corpus pass embeds them (and finds the positives' lookup forms) and the pairs pass loads
+    no model."""
 
     per_row = EMBED_CALL_PASSAGES
 
