@@ -44,6 +44,30 @@ def test_bf16_autocast_stays_close_to_fp32(fp32):
     assert cos.min() > 0.999
 
 
+def test_bf16_linear_weights_cast_once_give_the_vectors_of_plain_autocast():
+    from transformers import AutoModel
+
+    from pairmine.operators.embed import precast_linear_weights
+
+    bf16 = Embedder(dtype="bfloat16", device="cpu")
+    bf16.setup()
+    linears = [m for m in bf16._model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)  # 6 layers x 6 Linear + pooler
+    assert bf16._model.embeddings.word_embeddings.weight.dtype == torch.float32
+    texts = SENTENCES + ["A much longer passage about guitars, " * 6]
+    cast_once = bf16.encode(texts)
+    bf16._model = AutoModel.from_pretrained(bf16.model_path, dtype=torch.float32).eval()  # autocast casts each call
+    # The same bf16 weights reach the same kernels: bitwise equal on our CPUs; 1e-6 leaves room for a CPU whose
+    # kernels depend on the weight's address, and still fails a different recipe (bf16 LayerNorm moves ~1e-4).
+    assert np.abs(bf16.encode(texts) - cast_once).max() <= 1e-6
+
+    tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight  # shared: left in fp32, as is a Linear subclass
+    tied.append(type("MyLinear", (torch.nn.Linear,), {})(4, 4))
+    assert precast_linear_weights(tied, torch.bfloat16) == 1
+    assert [m.weight.dtype for m in tied] == [torch.float32, torch.float32, torch.bfloat16, torch.float32]
+
+
 def test_auto_dtype_is_bf16_only_on_cpus_with_amx():
     # AVX512-BF16 without AMX ran bf16 autocast at 0.70-0.79x of fp32 (pick_dtype's docstring): fp32 there.
     assert pick_dtype("auto", "cpu", {"avx512_bf16": True, "amx_bf16": False}) == "float32"
