@@ -192,7 +192,9 @@ def precast_linear_weights(model, dtype) -> int:
     (its weight cache does not hold under ``inference_mode``), and the cast was 18% of the forward pass's CPU time
     (torch profiler, all-MiniLM-L6-v2, one thread, 512 FiQA answers). A Linear's output under autocast is the same
     for a weight cast once or at every call (the same rounding), so vectors are bitwise those of plain autocast
-    (tested) and the corpus forward pass ran 8-15% faster (2026-12-05, 2-core Xeon with AMX, alternating runs).
+    (tested). 2026-12-05, 2-core Xeon with AMX, one thread, alternating runs: the forward passes alone 8-10% faster
+    on 512 short FiQA answers; a negatives run's corpus embed actor 3.6% faster (busy 66.5 / 66.8 s against
+    69.4 / 68.8 s on ``bench_negatives.py --copies 4``'s corpus), where attention, which is not cast, weighs more.
 
     A Linear whose weight or bias is shared with another parameter name (tied weights) or that is a subclass of
     ``torch.nn.Linear`` (it may use its weight outside ``F.linear``) is left in fp32; LayerNorm, embeddings and
