@@ -690,7 +690,10 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     only the pairs left.
 
     Raises:
-        ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError: user errors, before any work.
+        ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError: user errors, before any work,
+            except those only the corpus pass finds (a corpus without a usable passage or smaller than
+            ``negatives.rank_start``, a corrupt corpus file): these remove the run folder this attempt made
+            (:meth:`pipeline.run_folder.RunFolder.removed_on_error`).
     """
     from pairmine.operators.negatives import DROP_REASONS, NEGATIVES_SCHEMA
     from pairmine.operators.pairs import PAIR_SKIP_REASONS
@@ -748,45 +751,47 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     uncommitted = [s for s in shards if s.index not in folder.records]
 
     # ---- corpus: chunk, embed, index (no passage passes through the driver) -----------------------------------------
-    t_corpus = time.time()
-    phases = {"start": t_corpus - t0}  # wall seconds of each phase of the run (stats.json "phases_s")
-    figures: list[dict] = []  # per-stage wall/busy/CPU seconds and rows, in pipeline order (stats.json "stages")
-    with_queries = queries_with_corpus(cfg, kind, sum(unit_rows[unit_key(u)] for u in todo))
-    corpus_skipped: dict[str, int] = {}  # corpus documents skipped, by reason
-    index_shards = build_corpus_index(cfg, corpus_shards, text_column, id_column, spec, threads, device, actors,
-                                      embed_cpus, embed_gpus, light, figures, todo if with_queries else None,
-                                      partial(_make_read, cfg, kind), corpus_skipped)
-    phases["corpus"] = time.time() - t_corpus
-    corpus_size = sum(s["passages"] for s in index_shards)
-    skipped_words = ", ".join(f"{k} {v}" for k, v in sorted(corpus_skipped.items()))
-    if corpus_skipped:
-        log.info("corpus: documents skipped: %s", skipped_words)
-    if corpus_size == 0:
-        raise InputError(f"negatives.corpus {n.corpus}: no usable passage (documents skipped: "
-                         f"{skipped_words or 'none; no document'})")
-    if corpus_size < n.rank_start:
-        raise InputError(f"negatives.corpus {n.corpus} has {corpus_size} usable passage(s), fewer than "
-                         f"negatives.rank_start = {n.rank_start}: no candidate could reach the rank window; give a "
-                         "larger corpus or lower negatives.rank_start")
-    index_desc = index_shards[0]["index"]
-    if len(index_shards) > 1:
-        sizes = [s["passages"] for s in index_shards]
-        index_desc += f", {len(index_shards)} shards of {min(sizes)}-{max(sizes)} passages, merged exactly"
-    recalls = [(s["recall"], s["passages"]) for s in index_shards if s["recall"] is not None]
-    recall = sum(r * w for r, w in recalls) / sum(w for _, w in recalls) if recalls else None
-    queries_with = index_shards[0]["queries"]
-    duplicates = index_shards[0]["duplicates"]
-    log.info("corpus: %d passages%s%s embedded and indexed in %.1f s, %s%s", corpus_size,
-             f" ({duplicates} exact copies of another dropped)" if duplicates else "",
-             f" and {queries_with} queries" if queries_with else "", time.time() - t_corpus, index_desc,
-             "" if recall is None else f"; recall@{n.depth} against exact search {recall:.4f} "
-             f"({min(n.recall_probes, corpus_size)} corpus passages per shard as probe queries)")
-    # The pairs' embedder takes a positive's (or a query's) vector from the corpus when its prefixed text is there
-    # (one shard only: with several, each pairs actor would have to hold every shard's vectors).
-    known_ref = index_shards[0]["known"] if len(index_shards) == 1 else None
-    if len(index_shards) > 1:
-        log.info("the index is sharded: every query and positive is embedded (corpus vectors are reused with one "
-                 "shard only)")
+    # An input error found here (no usable corpus passage, a corrupt corpus file) leaves no run folder.
+    with folder.removed_on_error():
+        t_corpus = time.time()
+        phases = {"start": t_corpus - t0}  # wall seconds of each phase of the run (stats.json "phases_s")
+        figures: list[dict] = []  # per-stage wall/busy/CPU seconds and rows, in pipeline order (stats.json "stages")
+        with_queries = queries_with_corpus(cfg, kind, sum(unit_rows[unit_key(u)] for u in todo))
+        corpus_skipped: dict[str, int] = {}  # corpus documents skipped, by reason
+        index_shards = build_corpus_index(cfg, corpus_shards, text_column, id_column, spec, threads, device, actors,
+                                          embed_cpus, embed_gpus, light, figures, todo if with_queries else None,
+                                          partial(_make_read, cfg, kind), corpus_skipped)
+        phases["corpus"] = time.time() - t_corpus
+        corpus_size = sum(s["passages"] for s in index_shards)
+        skipped_words = ", ".join(f"{k} {v}" for k, v in sorted(corpus_skipped.items()))
+        if corpus_skipped:
+            log.info("corpus: documents skipped: %s", skipped_words)
+        if corpus_size == 0:
+            raise InputError(f"negatives.corpus {n.corpus}: no usable passage (documents skipped: "
+                             f"{skipped_words or 'none; no document'})")
+        if corpus_size < n.rank_start:
+            raise InputError(f"negatives.corpus {n.corpus} has {corpus_size} usable passage(s), fewer than "
+                             f"negatives.rank_start = {n.rank_start}: no candidate could reach the rank window; give a "
+                             "larger corpus or lower negatives.rank_start")
+        index_desc = index_shards[0]["index"]
+        if len(index_shards) > 1:
+            sizes = [s["passages"] for s in index_shards]
+            index_desc += f", {len(index_shards)} shards of {min(sizes)}-{max(sizes)} passages, merged exactly"
+        recalls = [(s["recall"], s["passages"]) for s in index_shards if s["recall"] is not None]
+        recall = sum(r * w for r, w in recalls) / sum(w for _, w in recalls) if recalls else None
+        queries_with = index_shards[0]["queries"]
+        duplicates = index_shards[0]["duplicates"]
+        log.info("corpus: %d passages%s%s embedded and indexed in %.1f s, %s%s", corpus_size,
+                 f" ({duplicates} exact copies of another dropped)" if duplicates else "",
+                 f" and {queries_with} queries" if queries_with else "", time.time() - t_corpus, index_desc,
+                 "" if recall is None else f"; recall@{n.depth} against exact search {recall:.4f} "
+                 f"({min(n.recall_probes, corpus_size)} corpus passages per shard as probe queries)")
+        # The pairs' embedder takes a positive's (or a query's) vector from the corpus when its prefixed text is there
+        # (one shard only: with several, each pairs actor would have to hold every shard's vectors).
+        known_ref = index_shards[0]["known"] if len(index_shards) == 1 else None
+        if len(index_shards) > 1:
+            log.info("the index is sharded: every query and positive is embedded (corpus vectors are reused with one "
+                     "shard only)")
 
     # ---- the streaming pass, a commit per shard ----------------------------------------------------------------------
     batch = cfg.ray.docs_per_batch

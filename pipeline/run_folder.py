@@ -20,6 +20,7 @@ one of its rows was staged (SPEC "Exactly once"; issue 13 item 2, issue 15 item 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import logging
@@ -233,6 +234,25 @@ class RunFolder:
         else:
             self.storage.rm(self.staging)  # leftovers of an attempt killed before its plan was written
         return self.prior
+
+    @contextlib.contextmanager
+    def removed_on_error(self):
+        """Around work done after :meth:`open` that records nothing (a negatives run's corpus pass: the corpus is
+        embedded again on every attempt): when the block raises an ``Exception`` and this attempt made the run
+        folder (no earlier plan), the folder is removed again, so that an input error found there (a corpus with
+        no usable passage, a corrupt corpus file) leaves no run folder, as errors found before :meth:`open` do, and
+        the same ``--run-id`` can be run again with the input fixed. A resumed run's folder is kept; so is any folder
+        on Ctrl-C or SIGTERM (``KeyboardInterrupt``), whose message says how to resume. A failed removal is logged,
+        and the block's own error is raised either way."""
+        try:
+            yield
+        except Exception:
+            if self.prior is None and not self.records:
+                try:
+                    self.storage.rm(self.dir)
+                except Exception as e:  # noqa: BLE001 - the block's error is the one to report
+                    log.warning("could not remove the unfinished run folder %s: %s", self.dir, e)
+            raise
 
     def open(self, plan: dict, units: list[dict], rows_by_unit: dict[tuple[int, int], int],
              job: str = "run") -> list[dict]:

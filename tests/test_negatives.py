@@ -648,18 +648,25 @@ def test_bad_input_is_one_line(tiny_run, tiny_model_dir, tmp_path):
     # A corpus of skipped documents only: the error counts them.
     pq.write_table(pa.table({"id": ["a", "b", None], "text": [None, "  ", "x"]}), tmp_path / "skipped.parquet")
     proc = _cli("--input", str(run_dir), "--corpus", str(tmp_path / "skipped.parquet"), "--output", str(tmp_path),
-                "--set", f"embed.model={tiny_model_dir}")
+                "--set", f"embed.model={tiny_model_dir}", "--run-id", "skipped-corpus")
     assert proc.returncode == 2 and "no usable passage (documents skipped: empty_text 1, null_id 1, null_text 1)" \
         in proc.stderr.strip().splitlines()[-1]
-    # A corpus too small to reach the rank window is refused before embedding it.
+    assert not (tmp_path / "skipped-corpus").exists()  # found after the corpus pass: the run folder is removed again
+    # A corpus too small to reach the rank window is refused once it is embedded, and leaves no run folder: the same
+    # --run-id then runs with a window that fits (before, its plan was kept and the rerun refused as another config).
     docs = pq.read_table(json.loads((run_dir / "manifest.json").read_text())["inputs"][0]["path"],
                          columns=["id", "text"])
     pq.write_table(docs.slice(0, 1), tmp_path / "one-doc.parquet")
     n = len(chunk_text(docs.column("text")[0].as_py(),
                        token_limit=run_token_limit(json.loads((run_dir / "manifest.json").read_text()))).passages)
     proc = _cli("--input", str(run_dir), "--corpus", str(tmp_path / "one-doc.parquet"), "--output", str(tmp_path),
-                "--set", f"negatives.rank_start={n + 1}", "--set", f"negatives.rank_end={n + 1}")
+                "--set", f"negatives.rank_start={n + 1}", "--set", f"negatives.rank_end={n + 1}", "--run-id", "small")
     assert proc.returncode == 2 and f"has {n} usable passage(s), fewer than negatives.rank_start" in proc.stderr
+    assert not (tmp_path / "small").exists()
+    proc = _cli("--input", str(run_dir), "--corpus", str(tmp_path / "one-doc.parquet"), "--output", str(tmp_path),
+                "--set", "negatives.rank_start=1", "--set", f"negatives.rank_end={n}", "--run-id", "small")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "small" / "stats.json").read_text())["corpus_passages"] == n
     # A query that is a JSON number, found by a Ray worker mid-run: one error line, not a remote traceback.
     (tmp_path / "pairs.jsonl").write_text('{"query": "q", "passage": "p"}\n{"query": 123, "passage": "p"}\n')
     proc = _cli("--input", str(tmp_path / "pairs.jsonl"), "--corpus", str(tmp_path / "one-doc.parquet"), "--output",
