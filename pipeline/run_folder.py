@@ -208,6 +208,7 @@ class RunFolder:
         self.staging = f"{self.dir}/{STAGING_DIR}"
         self.state = f"{self.dir}/{STATE_DIR}"
         self.prior: dict | None = None  # the first attempt's plan, when this run resumes one
+        self.made_dir = False  # open() created the run folder (it did not exist before this attempt)
         self.records: dict[int, dict] = {}  # commit records of the committed shards, by shard index
         self.units_kept: dict[tuple[int, int], dict] = {}  # counts of completed units of uncommitted shards
 
@@ -238,20 +239,22 @@ class RunFolder:
     @contextlib.contextmanager
     def removed_on_error(self):
         """Around work done after :meth:`open` that records nothing (a negatives run's corpus pass: the corpus is
-        embedded again on every attempt): when the block raises an ``Exception`` and this attempt made the run
-        folder (no earlier plan), the folder is removed again, so that an input error found there (a corpus with
-        no usable passage, a corrupt corpus file) leaves no run folder, as errors found before :meth:`open` do, and
-        the same ``--run-id`` can be run again with the input fixed. A resumed run's folder is kept; so is any folder
-        on Ctrl-C or SIGTERM (``KeyboardInterrupt``), whose message says how to resume. A failed removal is logged,
-        and the block's own error is raised either way."""
+        embedded again on every attempt): when the block raises an ``Exception`` on a first attempt (no earlier
+        plan), what :meth:`open` wrote is removed again, so that an input error found there (a corpus with no usable
+        passage, a corrupt corpus file) leaves no run folder, as errors found before :meth:`open` do, and the same
+        ``--run-id`` can be run again with the input fixed. Only what this attempt made goes: the whole run folder
+        when :meth:`open` created it, else (a folder that was there before, whatever it holds) only the plan. A
+        resumed run's folder is kept; so is any folder on Ctrl-C or SIGTERM (``KeyboardInterrupt``), whose message
+        says how to resume. A failed removal is logged, and the block's own error is raised either way."""
         try:
             yield
         except Exception:
             if self.prior is None and not self.records:
+                target = self.dir if self.made_dir else f"{self.state}/plan.json"
                 try:
-                    self.storage.rm(self.dir)
+                    self.storage.rm(target)
                 except Exception as e:  # noqa: BLE001 - the block's error is the one to report
-                    log.warning("could not remove the unfinished run folder %s: %s", self.dir, e)
+                    log.warning("could not remove %s of the unfinished run: %s", target, e)
             raise
 
     def open(self, plan: dict, units: list[dict], rows_by_unit: dict[tuple[int, int], int],
@@ -268,6 +271,7 @@ class RunFolder:
             StorageError: the state or staging folders cannot be read, or the plan written.
         """
         if self.prior is None:
+            self.made_dir = not self.storage.exists(self.dir)  # else the folder and what it holds are not ours
             self.storage.makedirs(self.dir)
             write_json(self.storage, f"{self.state}/plan.json", plan)
             return list(units)

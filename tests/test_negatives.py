@@ -663,6 +663,13 @@ def test_bad_input_is_one_line(tiny_run, tiny_model_dir, tmp_path):
                 "--set", f"negatives.rank_start={n + 1}", "--set", f"negatives.rank_end={n + 1}", "--run-id", "small")
     assert proc.returncode == 2 and f"has {n} usable passage(s), fewer than negatives.rank_start" in proc.stderr
     assert not (tmp_path / "small").exists()
+    # A folder that was there before the run (here with the user's own file) is not the run's: only the plan goes.
+    (tmp_path / "there").mkdir()
+    (tmp_path / "there" / "notes.txt").write_text("mine")
+    proc = _cli("--input", str(run_dir), "--corpus", str(tmp_path / "one-doc.parquet"), "--output", str(tmp_path),
+                "--set", f"negatives.rank_start={n + 1}", "--set", f"negatives.rank_end={n + 1}", "--run-id", "there")
+    assert proc.returncode == 2 and (tmp_path / "there" / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "there" / "_state" / "plan.json").exists()
     proc = _cli("--input", str(run_dir), "--corpus", str(tmp_path / "one-doc.parquet"), "--output", str(tmp_path),
                 "--set", "negatives.rank_start=1", "--set", f"negatives.rank_end={n}", "--run-id", "small")
     assert proc.returncode == 0, proc.stderr[-2000:]
