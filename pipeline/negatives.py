@@ -751,13 +751,13 @@ def negatives(cfg: NegativesConfig) -> MineResult:
     uncommitted = [s for s in shards if s.index not in folder.records]
 
     # ---- corpus: chunk, embed, index (no passage passes through the driver) -----------------------------------------
+    t_corpus = time.time()
+    phases = {"start": t_corpus - t0}  # wall seconds of each phase of the run (stats.json "phases_s")
+    figures: list[dict] = []  # per-stage wall/busy/CPU seconds and rows, in pipeline order (stats.json "stages")
+    with_queries = queries_with_corpus(cfg, kind, sum(unit_rows[unit_key(u)] for u in todo))
+    corpus_skipped: dict[str, int] = {}  # corpus documents skipped, by reason
     # An input error found here (no usable corpus passage, a corrupt corpus file) leaves no run folder.
     with folder.removed_on_error():
-        t_corpus = time.time()
-        phases = {"start": t_corpus - t0}  # wall seconds of each phase of the run (stats.json "phases_s")
-        figures: list[dict] = []  # per-stage wall/busy/CPU seconds and rows, in pipeline order (stats.json "stages")
-        with_queries = queries_with_corpus(cfg, kind, sum(unit_rows[unit_key(u)] for u in todo))
-        corpus_skipped: dict[str, int] = {}  # corpus documents skipped, by reason
         index_shards = build_corpus_index(cfg, corpus_shards, text_column, id_column, spec, threads, device, actors,
                                           embed_cpus, embed_gpus, light, figures, todo if with_queries else None,
                                           partial(_make_read, cfg, kind), corpus_skipped)
@@ -773,25 +773,25 @@ def negatives(cfg: NegativesConfig) -> MineResult:
             raise InputError(f"negatives.corpus {n.corpus} has {corpus_size} usable passage(s), fewer than "
                              f"negatives.rank_start = {n.rank_start}: no candidate could reach the rank window; give a "
                              "larger corpus or lower negatives.rank_start")
-        index_desc = index_shards[0]["index"]
-        if len(index_shards) > 1:
-            sizes = [s["passages"] for s in index_shards]
-            index_desc += f", {len(index_shards)} shards of {min(sizes)}-{max(sizes)} passages, merged exactly"
-        recalls = [(s["recall"], s["passages"]) for s in index_shards if s["recall"] is not None]
-        recall = sum(r * w for r, w in recalls) / sum(w for _, w in recalls) if recalls else None
-        queries_with = index_shards[0]["queries"]
-        duplicates = index_shards[0]["duplicates"]
-        log.info("corpus: %d passages%s%s embedded and indexed in %.1f s, %s%s", corpus_size,
-                 f" ({duplicates} exact copies of another dropped)" if duplicates else "",
-                 f" and {queries_with} queries" if queries_with else "", time.time() - t_corpus, index_desc,
-                 "" if recall is None else f"; recall@{n.depth} against exact search {recall:.4f} "
-                 f"({min(n.recall_probes, corpus_size)} corpus passages per shard as probe queries)")
-        # The pairs' embedder takes a positive's (or a query's) vector from the corpus when its prefixed text is there
-        # (one shard only: with several, each pairs actor would have to hold every shard's vectors).
-        known_ref = index_shards[0]["known"] if len(index_shards) == 1 else None
-        if len(index_shards) > 1:
-            log.info("the index is sharded: every query and positive is embedded (corpus vectors are reused with one "
-                     "shard only)")
+    index_desc = index_shards[0]["index"]
+    if len(index_shards) > 1:
+        sizes = [s["passages"] for s in index_shards]
+        index_desc += f", {len(index_shards)} shards of {min(sizes)}-{max(sizes)} passages, merged exactly"
+    recalls = [(s["recall"], s["passages"]) for s in index_shards if s["recall"] is not None]
+    recall = sum(r * w for r, w in recalls) / sum(w for _, w in recalls) if recalls else None
+    queries_with = index_shards[0]["queries"]
+    duplicates = index_shards[0]["duplicates"]
+    log.info("corpus: %d passages%s%s embedded and indexed in %.1f s, %s%s", corpus_size,
+             f" ({duplicates} exact copies of another dropped)" if duplicates else "",
+             f" and {queries_with} queries" if queries_with else "", time.time() - t_corpus, index_desc,
+             "" if recall is None else f"; recall@{n.depth} against exact search {recall:.4f} "
+             f"({min(n.recall_probes, corpus_size)} corpus passages per shard as probe queries)")
+    # The pairs' embedder takes a positive's (or a query's) vector from the corpus when its prefixed text is there
+    # (one shard only: with several, each pairs actor would have to hold every shard's vectors).
+    known_ref = index_shards[0]["known"] if len(index_shards) == 1 else None
+    if len(index_shards) > 1:
+        log.info("the index is sharded: every query and positive is embedded (corpus vectors are reused with one "
+                 "shard only)")
 
     # ---- the streaming pass, a commit per shard ----------------------------------------------------------------------
     batch = cfg.ray.docs_per_batch

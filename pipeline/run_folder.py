@@ -249,7 +249,7 @@ class RunFolder:
         try:
             yield
         except Exception:
-            if self.prior is None and not self.records:
+            if self.prior is None:  # a first attempt: nothing committed or recorded yet
                 target = self.dir if self.made_dir else f"{self.state}/plan.json"
                 try:
                     self.storage.rm(target)
