@@ -15,9 +15,9 @@ What is timed:
   end to end   pairmine negatives (a subprocess: Ray start, corpus embedding, index, streaming pass, commit) and
                mine_hard_negatives (a subprocess too, so that both start cold: imports, model load, embeds corpus
                and queries, faiss search, range_min/range_max window, num_negatives) on the same pairs and corpus,
-               in the same compute dtype (pairmine's embed.dtype, resolved once here: on a CPU with AMX ``auto`` is
-               bf16 autocast, and sentence-transformers then runs under the same ``torch.autocast``); pairs/s and
-               the ratio pairmine / sentence-transformers
+               in the same compute dtype (pairmine's embed.dtype, resolved once here: on a CPU with AMX, or an AMD
+               one with AVX512-BF16, ``auto`` is bf16 autocast, and sentence-transformers then runs under the same
+               ``torch.autocast``); pairs/s and the ratio pairmine / sentence-transformers
   search       on random unit vectors (N x dim, seeded): faiss IndexFlatIP top-depth + pairmine's window selection
                (operators.negatives.select_negatives), queries/s; IVF and HNSW queries/s and recall@depth vs exact
 """
@@ -60,8 +60,8 @@ def end_to_end(depth: int, rank_start: int, count: int, copies: int = 0, threads
 
     from pairmine.operators.embed import default_model_path, pick_dtype
 
-    # One compute dtype for both sides: pairmine's `auto` picks bf16 autocast on a CPU with AMX, and comparing that
-    # with sentence-transformers' fp32 would time the dtype, not the pipeline (2.07x on an AMX machine, 2026-12-04).
+    # One compute dtype for both sides: pairmine's `auto` picks bf16 autocast on some CPUs (pick_dtype), and comparing
+    # that with sentence-transformers' fp32 would time the dtype, not the pipeline (2.07x on an AMX machine, 2026-12-04).
     dtype = pick_dtype(dtype, "cpu")
     if dtype not in ("float32", "bfloat16"):
         sys.exit(f"--dtype {dtype}: on the CPU the comparison runs in float32 or bfloat16")
@@ -224,7 +224,8 @@ def main() -> None:
                          "(default 0: pairmine's default, one actor on a CPU node); needs --threads")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="end to end: compute dtype of both models (pairmine's embed.dtype; sentence-transformers under "
-                         "the same bf16 autocast); auto: what pairmine picks on this CPU (bf16 with AMX, else fp32)")
+                         "the same bf16 autocast); auto: what pairmine picks on this CPU (bf16 with AMX or AMD's "
+                         "AVX512-BF16, else fp32)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="end to end: rounds, the two sides alternating (pairmine, sentence-transformers, "
                          "sentence-transformers, pairmine, ...); the medians are compared. A shared machine's speed drifts by 10-15%% within minutes "

@@ -75,7 +75,7 @@ class EmbedConfig:
     query_prefix: str | None = _f(None, 'filter-pairs and eval: None: from the model (its pairmine_model.json, else "query: " for E5, else "")')
     max_length: int = _f(256, "tokens per passage given to the model (prefix and special tokens included); a longer passage is cut again to fit by chunk.fit_model_length, else truncated")
     batch_size: int = _f(0, 'passages per forward pass at max_length: a forward pass holds batch_size x max_length tokens, so shorter passages go in larger batches (of one padded length each); 0: 32 on a GPU, on a CPU 8 per torch thread up to 32 (smaller forward batches ran 5-12 percent faster on CPU)')
-    dtype: str = _f("auto", "auto | float32 | bfloat16 | float16; auto: bf16 autocast on CPUs with AMX bf16 (faster there; slower than fp32 with AVX512-BF16 alone), else fp32; bf16/fp16 on GPU")
+    dtype: str = _f("auto", "auto | float32 | bfloat16 | float16; auto: bf16 autocast on CPUs with AMX bf16 and on AMD CPUs with AVX512-BF16 (faster there; slower than fp32 on Intel's AVX512-BF16 alone), else fp32; bf16/fp16 on GPU")
     device: str = _f("auto", "auto | cpu | cuda; auto: one GPU per embed actor when the cluster has GPUs")
     trust_remote_code: bool = _f(False, "allow model code from the model folder/hub (off unless you trust it)")
     num_actors: int = _f(0, '0: one per GPU when the cluster has GPUs, else 1')
