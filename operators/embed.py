@@ -453,8 +453,14 @@ class Embedder:
         ``train.objective = xtr``), L2-normalised,
         from the same tokenizer, truncation, batches and dtype as :meth:`encode`.
 
+        A passage whose tokens are all special ones (a run of emoji or of zero-width spaces, an unsplit Thai run:
+        all-MiniLM's vocabulary makes each one ``[UNK]``, which is a special token; an empty text) has none: its
+        array is (0, dim), and a scorer has to treat it as a text with nothing to match
+        (``pipeline.evaluate.sum_of_max_search``, ``xtr_search``). :meth:`word_token_counts` counts them without the
+        model.
+
         Returns:
-            one (n_tokens_i, dim) float32 array per passage, in input order.
+            one (n_tokens_i, dim) float32 array per passage, in input order (n_tokens_i may be 0).
         """
         import torch
 
@@ -481,6 +487,19 @@ class Embedder:
                 for row, j in enumerate(idx):
                     out[j] = np.ascontiguousarray(hidden[row][real[row]], dtype=np.float32)  # (n_tokens, dim)
         return out
+
+    def word_token_counts(self, passages: list[str], prefix: str | None = None) -> np.ndarray:
+        """(n,) int64: the token vectors :meth:`encode_tokens` gives each passage (its tokens after the prefix and
+        truncation to ``max_length``, special tokens such as ``[CLS]``, ``[SEP]`` and ``[UNK]`` left out), from the
+        tokenizer alone; 0 for a text :meth:`encode_tokens` gives a (0, dim) array."""
+        self.setup_tokenizer()
+        if not passages:
+            return np.zeros(0, np.int64)
+        prefix = self.passage_prefix if prefix is None else prefix
+        special = set(self._tokenizer.all_special_ids)
+        ids = self._tokenizer([prefix + p for p in passages], truncation=True, max_length=self.max_length,
+                              padding=False)["input_ids"]
+        return np.array([sum(t not in special for t in row) for row in ids], np.int64)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """Add ``vectors`` (list<fixed_size_list<float32, dim>>), ``n_token_truncated`` (int32: passages of the

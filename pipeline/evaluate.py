@@ -330,37 +330,52 @@ K_PRIME = 1000  # tokens retrieved per query token for --scoring xtr (ours; seed
 
 
 def _token_matrix(doc_tokens: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Every document token as one (T, dim) float32 matrix, and the document of each row (T,) int64."""
+    """Every document token as one (T, dim) float32 matrix, and the document of each row (T,) int64 (a document with
+    no token vectors owns no row; the owners are its index in ``doc_tokens`` all the same)."""
     if not doc_tokens:
         return np.zeros((0, 1), np.float32), np.zeros(0, np.int64)
+    dim = max((t.shape[1] for t in doc_tokens if t.ndim == 2), default=1)
     owner = np.repeat(np.arange(len(doc_tokens)), [len(t) for t in doc_tokens]).astype(np.int64)
-    return np.ascontiguousarray(np.concatenate(doc_tokens), dtype=np.float32), owner
+    return np.ascontiguousarray(np.concatenate([t.reshape(-1, dim) for t in doc_tokens]), dtype=np.float32), owner
 
 
 def sum_of_max_search(query_tokens: list[np.ndarray], doc_tokens: list[np.ndarray], k: int = TOP_K
-                      ) -> tuple[np.ndarray, np.ndarray]:
+                      ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Exact late-interaction search: every document scored by ColBERT's sum-of-max over all of its tokens, divided
     by the query's token count n (the ranking of sum-of-max; the scale of XTR's scores, seed 002 eq. 4).
 
+    A text with no token vectors (``Embedder.encode_tokens`` drops special tokens, so a text of ``[UNK]`` only, or of
+    zero-width spaces, has none) has nothing to score: such a document is never retrieved (below every document with
+    tokens; it is left out, not given a made-up score), and such a query retrieves nothing. Every other document
+    keeps its own index, wherever the empty ones are.
+
     Args:
-        query_tokens: one (n_i, dim) array of unit token vectors per query; doc_tokens: one (m_j, dim) per document.
+        query_tokens: one (n_i, dim) array of unit token vectors per query (n_i may be 0); doc_tokens: one (m_j, dim)
+            per document (m_j may be 0).
         k: hits per query.
 
     Returns:
-        (scores (n_queries, k') float32, indices (n_queries, k') int64 into the documents), best first.
+        (scores, indices): per query, up to ``k`` scores (float32) and document indices (int64, into
+        ``doc_tokens``), best first, ties by index; empty for a query with no token vectors.
     """
     matrix, owner = _token_matrix(doc_tokens)
-    starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]]) if len(owner) else np.zeros(0, np.int64)
-    k = min(k, len(doc_tokens))
+    counts = np.array([len(t) for t in doc_tokens], np.int64)
+    scored = np.flatnonzero(counts > 0)  # documents with at least one token vector, in index order
+    starts = (np.cumsum(counts) - counts)[scored]  # (n_scored,) first row of each in ``matrix``
+    k = min(k, len(scored))
     scores, indices = [], []
     for q in query_tokens:
+        if not len(q) or not k:
+            scores.append(np.zeros(0, np.float32))
+            indices.append(np.zeros(0, np.int64))
+            continue
         sims = q.astype(np.float32) @ matrix.T  # (n, T)
-        best = np.maximum.reduceat(sims, starts, axis=1) if len(starts) else np.zeros((len(q), 0), np.float32)
-        doc_scores = best.astype(np.float64).sum(0) / max(len(q), 1)  # (n_docs,)
+        best = np.maximum.reduceat(sims, starts, axis=1)  # (n, n_scored): each scored document's best token
+        doc_scores = best.astype(np.float64).sum(0) / len(q)  # (n_scored,)
         top = np.argsort(-doc_scores, kind="stable")[:k]
         scores.append(doc_scores[top].astype(np.float32))
-        indices.append(top)
-    return np.array(scores, np.float32).reshape(len(query_tokens), k), np.array(indices, np.int64).reshape(-1, k)
+        indices.append(scored[top].astype(np.int64))
+    return scores, indices
 
 
 def xtr_search(query_tokens: list[np.ndarray], doc_tokens: list[np.ndarray], k_prime: int = K_PRIME,
@@ -370,9 +385,14 @@ def xtr_search(query_tokens: list[np.ndarray], doc_tokens: list[np.ndarray], k_p
     :func:`pipeline.xtr.f_xtr_prime` (best retrieved score per query token, else its k'-th score, averaged over the
     query tokens). No document token outside the retrieved ones is read.
 
+    A document with no token vectors has no token in the index, so it is never retrieved (seed 002: a document no
+    query token retrieved is not a candidate); a query with no token vectors retrieves nothing. Every other
+    document keeps its own index.
+
     Returns:
         (scores, indices, description): per query, up to ``k`` candidate scores (float32) and document indices
-        (int64), best first (ties by index); the index and k' used, in words.
+        (int64), best first (ties by index; empty for a query with no token vectors or a corpus without any); the
+        index and k' used, in words.
     """
     import faiss
 
@@ -384,6 +404,10 @@ def xtr_search(query_tokens: list[np.ndarray], doc_tokens: list[np.ndarray], k_p
     kp = min(k_prime, len(matrix))
     all_scores, all_indices = [], []
     for q in query_tokens:
+        if not len(q) or not kp:
+            all_scores.append(np.zeros(0, np.float32))
+            all_indices.append(np.zeros(0, np.int64))
+            continue
         sims, rows = index.search(np.ascontiguousarray(q, dtype=np.float32), kp)  # (n, k') each, best first
         scored = f_xtr_prime([(owner[r], s) for r, s in zip(rows, sims)], len(q))
         ranked = sorted(scored.items(), key=lambda item: (-item[1], item[0]))[:k]
@@ -391,6 +415,26 @@ def xtr_search(query_tokens: list[np.ndarray], doc_tokens: list[np.ndarray], k_p
         all_indices.append(np.array([d for d, _ in ranked], np.int64))
     return all_scores, all_indices, f"XTR (seed 002 eq. 4): faiss IndexFlatIP over {len(matrix)} token vectors, " \
                                     f"k' = {kp} tokens per query token, the k'-th score imputed"
+
+
+def without_word_tokens(embedder, ids: list[str], texts: list[str], prefix: str,
+                        tokens: list[np.ndarray] | None = None) -> dict:
+    """Which texts have no token vector to score (``Embedder.encode_tokens``: only special tokens after the
+    prefix, e.g. a run of emoji, zero-width spaces or an unsplit Thai run under all-MiniLM's vocabulary, each one
+    ``[UNK]``): ``{"count": n, "examples": [first few ids]}``. ``tokens``: the texts' token vectors when already
+    computed (their lengths are used), else the texts are tokenized (:meth:`Embedder.word_token_counts`)."""
+    counts = [len(t) for t in tokens] if tokens is not None else embedder.word_token_counts(texts, prefix).tolist()
+    empty = [i for i, c in zip(ids, counts) if c == 0]
+    return {"count": len(empty), "examples": empty[:SKIP_EXAMPLES]}
+
+
+NO_TOKEN_RULES = {
+    "dense": "scored as any text: its pooled vector holds only the special tokens ([CLS], [UNK], [SEP])",
+    "sum-of-max": "a document with no token vector is never retrieved (nothing to score: below every other "
+                  "document); a query with none retrieves nothing (every metric 0)",
+    "xtr": "a document with no token vector has no token in the index and is never retrieved; a query with none "
+           "retrieves nothing (every metric 0)",
+}
 
 
 def trec_order(hits: dict[str, float]) -> list[tuple[str, float]]:
@@ -471,7 +515,9 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
 
     Returns:
         :class:`EvalResult`. ``summary["retrieval"]["mean"]`` holds the mean nDCG@10, Recall@100, MRR@10 over the
-        evaluated queries; ``summary["sts"]["spearman"]`` the Spearman correlation in [-1, 1].
+        evaluated queries; ``summary["retrieval"]["without_word_tokens"]`` the documents and queries with no token
+        vector (special tokens only; ``{"count", "examples"}`` each) and the rule the scoring gives them
+        (:data:`NO_TOKEN_RULES`); ``summary["sts"]["spearman"]`` the Spearman correlation in [-1, 1].
 
     Raises:
         EvalInputError: bad or missing inputs (see :func:`load_beir`, :func:`load_sts`), or neither given.
@@ -523,6 +569,17 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
             scores, idx, search = xtr_search(q_vecs, doc_vecs, k_prime, TOP_K)
             search += f", top {TOP_K}"
         run = {q: {data.corpus_ids[j]: float(s) for j, s in zip(idx[i], scores[i])} for i, q in enumerate(data.query_ids)}
+        token_lists = scoring != "dense"  # encode_tokens' arrays: their lengths say which texts have none
+        no_tokens = {
+            "documents": without_word_tokens(embedder, data.corpus_ids, data.corpus_texts, pprefix,
+                                             doc_vecs if token_lists else None),
+            "queries": without_word_tokens(embedder, data.query_ids, data.query_texts, qprefix,
+                                           q_vecs if token_lists else None),
+            "rule": NO_TOKEN_RULES[scoring],
+        }
+        if no_tokens["documents"]["count"] or no_tokens["queries"]["count"]:
+            log.info("%d document(s) and %d query(ies) have no token vector (special tokens only): %s",
+                     no_tokens["documents"]["count"], no_tokens["queries"]["count"], no_tokens["rule"])
         per_query = ir_metrics(data.qrels, run)
         means = {m: float(np.mean([v[m] for v in per_query.values()])) for m in METRICS}
         root = str(beir)
@@ -539,6 +596,7 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
             "scoring": scoring,
             "search": search,
             "skipped": data.skips.as_dict(),
+            "without_word_tokens": no_tokens,
             "fingerprint": {"qrels_sha256": _sha256(join(root, "qrels", f"{split}.tsv"), storage),
                             "corpus_sha256": _sha256(join(root, "corpus.jsonl"), storage)},
             "seconds": {"embed_corpus": round(t_docs, 2), "embed_queries": round(t_queries, 2)},

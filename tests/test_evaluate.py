@@ -5,6 +5,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pairmine.pipeline.cli import main
@@ -219,3 +220,48 @@ def test_default_model_on_fiqa_and_sts_benchmark(tmp_path):
     assert s["pairs"] == 1379 and s["skipped"]["counts"] == {}
     assert s["spearman"] == pytest.approx(0.8204, abs=0.003)
     assert (tmp_path / "ev" / "per_query.json").is_file()
+
+
+def test_texts_without_token_vectors_keep_every_other_document_id_in_every_scoring(tiny_model_dir, tmp_path):
+    """Issue 39 item 1 (pyterrier_colbert#49): encode_tokens drops special tokens, so a run of emoji or of
+    zero-width spaces, or an unsplit Thai run (each one [UNK] under all-MiniLM's vocabulary), has a (0, dim) array.
+    Such a document used to shift every later document's id in sum-of-max search (and break its reshape on a small
+    corpus). Every scoring now scores the other documents under their own ids, never retrieves a document with no
+    token vector in the token scorings, retrieves nothing for a query with none, and counts both in the summary."""
+    from pairmine.pipeline.evaluate import make_embedder, sum_of_max_search, xtr_search
+
+    empty = ["\U0001F600\U0001F389", "\u200b\u200b", "\u0e2a\u0e27\u0e31\u0e2a\u0e14\u0e35\u0e04\u0e23\u0e31\u0e1a"]
+    words = [f"document number {i} about topic {i % 3} and item {i % 7}" for i in range(6)]
+    texts = [empty[0], words[0], words[1], empty[1], words[2], words[3], empty[2], words[4], words[5]]  # 9 documents
+    cfg = load_config(overrides=[f"embed.model={tiny_model_dir}", "embed.dtype=float32", "embed.batch_size=4"])
+    embedder = make_embedder(cfg)
+    tokens = embedder.encode_tokens(texts)
+    assert [len(t) for t in tokens] == [0, 9, 9, 0, 9, 9, 0, 9, 9]
+    assert embedder.word_token_counts(texts).tolist() == [len(t) for t in tokens]
+    queries = embedder.encode_tokens([words[3], empty[0]])  # a copy of document 5, and a query with no token
+
+    def brute(q):  # sum-of-max / n of every document with tokens, under its own index
+        return {j: float((q @ d.T).max(axis=1).sum() / len(q)) for j, d in enumerate(tokens) if len(d)}
+
+    scores, idx = sum_of_max_search(queries, tokens, k=100)
+    want = brute(queries[0])
+    assert idx[0].tolist() == sorted(want, key=lambda j: (-want[j], j)) and idx[0][0] == 5
+    assert np.allclose(scores[0], [want[j] for j in idx[0]], atol=1e-6) and scores[0][0] == pytest.approx(1.0)
+    assert len(idx[1]) == len(scores[1]) == 0  # a query with no token vector retrieves nothing
+    n_tokens = sum(len(t) for t in tokens)
+    xs, xi, _ = xtr_search(queries, tokens, k_prime=n_tokens, k=100)  # every token retrieved: sum-of-max / n
+    assert xi[0].tolist() == idx[0].tolist() and np.allclose(xs[0], scores[0], atol=1e-5) and len(xi[1]) == 0
+    assert not {0, 3, 6} & set(xi[0].tolist())
+
+    corpus = [json.dumps({"_id": f"d{j}", "text": t}) for j, t in enumerate(texts)]
+    root = write_beir(tmp_path / "b", corpus, [json.dumps({"_id": "q1", "text": words[3]}),
+                                               json.dumps({"_id": "q2", "text": empty[0]})], "q1\td5\t1\nq2\td1\t1\n")
+    for scoring in ("dense", "sum-of-max", "xtr"):
+        res = evaluate(cfg, str(root), output=str(tmp_path / scoring), scoring=scoring)
+        per_query = json.loads((tmp_path / scoring / "per_query.json").read_text())["queries"]
+        assert per_query["q1"]["ndcg@10"] == pytest.approx(1.0), scoring  # d5, behind two empty documents, is first
+        counted = res.summary["retrieval"]["without_word_tokens"]
+        assert counted["documents"] == {"count": 3, "examples": ["d0", "d3", "d6"]}, scoring
+        assert counted["queries"] == {"count": 1, "examples": ["q2"]} and counted["rule"]
+        if scoring != "dense":
+            assert per_query["q2"] == {"ndcg@10": 0.0, "recall@100": 0.0, "mrr@10": 0.0}
