@@ -12,7 +12,8 @@ similarities) and masks, with no model, no Ray and no data loading, so that test
                     the score is 0)
     f_xtr_chunked   f_xtr a chunk of queries at a time, recomputed in the backward pass: the memory of one chunk's
                     token similarities, for global batches of hundreds of groups
-    xtr_loss        cross-entropy over the batch's documents of f_xtr (seed 002 eq. 3)
+    xtr_loss        cross-entropy over the batch's documents of f_xtr (seed 002 eq. 3), over the rows that
+                    ``scoreable_rows`` keeps (a query or positive with no real token: a text of special tokens only)
     f_xtr_prime     inference score (seed 002 eq. 4) from the retrieved tokens only: (1 / n) sum_i of the best
                     retrieved score of D for q_i, else m_i, the k'-th retrieval score of q_i (the imputation)
 
@@ -47,11 +48,17 @@ def sum_of_max(sims: torch.Tensor, q_mask: torch.Tensor, d_mask: torch.Tensor) -
         sims: (Bq, n, Bd, m) from :func:`token_similarities`.
         q_mask: (Bq, n) bool, True for real query tokens; d_mask: (Bd, m) bool, True for real document tokens.
 
+    A document with no real token (a passage of special tokens only, e.g. ``[CLS] [UNK] [SEP]``) has no best token:
+    it scores 0 for every query (as :func:`f_xtr` scores a document no query token retrieved), not the sum of n
+    ``-inf`` (or of ``finfo.min``, which overflows to ``-inf``), so a loss over the scores stays finite. A query with
+    no real token scores 0 against every document.
+
     Returns:
         (Bq, Bd) scores.
     """
     neg = torch.finfo(sims.dtype).min
     best = sims.masked_fill(~d_mask[None, None], neg).amax(-1)  # (Bq, n, Bd)
+    best = torch.where(d_mask.any(-1)[None, None], best, torch.zeros_like(best))  # a document with no token: 0
     return (best * q_mask[:, :, None]).sum(1)
 
 
@@ -81,6 +88,8 @@ def f_xtr(sims: torch.Tensor, q_mask: torch.Tensor, d_mask: torch.Tensor, k_trai
     """XTR's training score (seed 002 eq. 2): (1 / Z) sum_i max_j A_ij q_i . d_j, with A from
     :func:`in_batch_alignment` and Z the number of query tokens with at least one aligned token of D. A query token
     that retrieved nothing of D adds 0; a document with Z = 0 scores 0 (the seed clips Z to a small positive value).
+    So a row of ``q_mask`` or of ``d_mask`` with no True (a text of special tokens only) gives 0 scores, finite
+    values and finite gradients; :func:`scoreable_rows` says which rows of a loss have something to learn from.
 
     Args:
         sims: (Bq, n, Bd, m); q_mask (Bq, n), d_mask (Bd, m) bool; k_train: tokens retrieved per query token.
@@ -138,17 +147,38 @@ def f_xtr_chunked(q: torch.Tensor, d: torch.Tensor, q_mask: torch.Tensor, d_mask
     return torch.cat(parts)
 
 
-def xtr_loss(scores: torch.Tensor, positives: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
+def scoreable_rows(q_mask: torch.Tensor, d_mask: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+    """(Bq,) bool: the training rows with something to learn from, those whose query and whose positive document both
+    have at least one real token. A text of special tokens only (``[CLS] [UNK] [SEP]`` for a run of emoji or of
+    zero-width spaces under all-MiniLM's vocabulary) leaves none: its query row scores 0 against every document
+    (:func:`f_xtr`'s Z = 0), a constant with no gradient, and a positive with no token scores 0 whatever the query,
+    so the row would only push its negatives down under a "positive" that says nothing.
+
+    Args:
+        q_mask: (Bq, n) bool real query tokens; d_mask: (Bd, m) bool real document tokens; positives: (Bq,) int64.
+    """
+    return q_mask.any(-1) & d_mask.any(-1)[positives]
+
+
+def xtr_loss(scores: torch.Tensor, positives: torch.Tensor, tau: float = 1.0,
+             valid: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of each query's positive document among the batch's documents (seed 002 eq. 3), on
     ``scores / tau`` (the seed uses the scores as logits: tau 1).
 
     Args:
         scores: (Bq, Bd) from :func:`f_xtr`; positives: (Bq,) int64 index of each query's positive document.
+        valid: (Bq,) bool, the rows that count (:func:`scoreable_rows`); None: every row. The loss is the mean over
+            the valid rows; with none valid it is 0 (still a function of ``scores``, so a backward pass runs and
+            gives zero gradients). A document with no token stays in every row as a negative scoring 0.
 
     Returns:
-        scalar mean loss.
+        scalar mean loss, finite for finite scores.
     """
-    return F.cross_entropy(scores / tau, positives)
+    if valid is None:
+        return F.cross_entropy(scores / tau, positives)
+    if not bool(valid.any()):
+        return (scores * 0.0).sum()
+    return F.cross_entropy(scores[valid] / tau, positives[valid])
 
 
 def f_xtr_prime(query_hits: list[tuple[np.ndarray, np.ndarray]], n_query_tokens: int) -> dict[int, float]:

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pairmine.pipeline.xtr import (f_xtr, f_xtr_chunked, f_xtr_prime, in_batch_alignment, query_chunk, sum_of_max,
-                                  token_similarities, xtr_loss)
+from pairmine.pipeline.xtr import (f_xtr, f_xtr_chunked, f_xtr_prime, in_batch_alignment, query_chunk, scoreable_rows,
+                                  sum_of_max, token_similarities, xtr_loss)
 
 
 def failure_case():
@@ -178,3 +178,46 @@ def test_train_with_the_xtr_objective_then_evaluate_with_xtr_scoring(tiny_groups
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
     assert summary["retrieval"]["scoring"] == "xtr" and summary["retrieval"]["queries_evaluated"] == len(groups)
     assert 0 < summary["retrieval"]["mean"]["ndcg@10"] <= 1
+
+
+def test_a_training_row_with_no_token_vector_gives_no_nan_and_is_left_out_of_the_loss():
+    """Issue 39 item 1: an anchor or positive of special tokens only ([CLS] [UNK] [SEP]: emoji, zero-width spaces, an
+    unsplit Thai run under all-MiniLM's vocabulary) leaves an all-False token mask row. f_xtr scores such a query 0
+    against every document and such a document 0 in every row (finite, finite gradients); sum_of_max gave -inf (n
+    times finfo.min), and a cross-entropy over it inf; it now scores 0 too. xtr_loss over scoreable_rows is the
+    loss of the other rows alone; with none left it is 0 with zero gradients."""
+    from transformers import AutoTokenizer
+
+    from pairmine.operators.embed import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    texts = ["a query about cats", "\U0001F600\U0001F389", "dogs and more dogs",  # anchors; the second: [UNK] only
+             "cats sit on mats", "a page about birds", "\u200b\u200b"]  # positives; the third: no token at all
+    enc = tok(texts, padding=True, return_tensors="pt")
+    real = (enc["attention_mask"] == 1) & ~torch.isin(enc["input_ids"], torch.tensor(tok.all_special_ids))  # as xtr_step
+    qm, dm = real[:3], real[3:]
+    assert qm.any(1).tolist() == [True, False, True] and dm.any(1).tolist() == [True, True, False]
+    torch.manual_seed(0)
+    seq = real.shape[1]
+    q = F_normalize(torch.randn(3, seq, 16)).requires_grad_(True)
+    d = F_normalize(torch.randn(3, seq, 16)).requires_grad_(True)
+    target = torch.arange(3)
+    for chunk in (1, 3):
+        scores = f_xtr_chunked(q, d, qm, dm, k_train=4, chunk=chunk)
+        assert torch.isfinite(scores).all()
+        assert scores[1].abs().sum() == 0 and scores[:, 2].abs().sum() == 0  # the empty query's row, the empty column
+    valid = scoreable_rows(qm, dm, target)
+    assert valid.tolist() == [True, False, False]
+    loss = xtr_loss(scores, target, 0.1, valid=valid)
+    assert loss.item() == pytest.approx(torch.nn.functional.cross_entropy(scores[:1] / 0.1, target[:1]).item())
+    loss.backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(d.grad).all() and q.grad[1:].abs().sum() == 0
+    som = sum_of_max(token_similarities(q, d), qm, dm)
+    assert torch.isfinite(som).all() and som[:, 2].abs().sum() == 0 and som[1].abs().sum() == 0
+    assert math.isfinite(xtr_loss(som, target).item())
+    zero = xtr_loss(scores, target, valid=torch.zeros(3, dtype=torch.bool))  # no row left: 0, a backward pass runs
+    assert zero.item() == 0.0 and zero.requires_grad
+
+
+def F_normalize(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(x, dim=-1)
