@@ -5,6 +5,7 @@ sequence, the retriever learning only through the LM loss, LoRA on both models."
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -268,3 +269,47 @@ def test_revela_needs_a_causal_lm(tiny_groups, tiny_model_dir, tmp_path):
                                        f"train.model={tiny_model_dir}"])
     with pytest.raises(ConfigError, match="train.revela_lm = .* cannot be loaded"):
         train(cfg, str(tiny_groups), str(tmp_path / "out"))
+
+
+def test_the_merged_export_is_the_trained_retriever_not_the_start_model(tiny_model_dir, tmp_path):
+    """Issue 39 item 8 (peft#2502, #1381): the Revela export (the retriever with its LoRA adapters merged, through
+    train's own ``_export``) gives the vectors of the trained base + adapters, read back both with transformers
+    (pairmine's Embedder: AutoModel, mean pooling) and with sentence-transformers (its saved modules), cosine >=
+    0.9999 on every passage; and not those of the start model (the adapters moved it). A few real optimizer steps
+    of the in-batch NTP loss on the tiny BERT (the conftest's, with the real tokenizer) and a tiny Qwen2."""
+    import types
+
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    from pairmine.operators.embed import Embedder
+    from pairmine.pipeline.train import _export
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tiny_qwen2(vocab=len(tokenizer)).save_pretrained(tmp_path / "lm")
+    m = load_revela(str(tmp_path / "lm"), tiny_model_dir, tau=0.1, lora_rank=4, lora_alpha=16)
+    texts = ["the cat sat on the mat", "a dog ran in the park", "cats like to sit on mats",
+             "dogs run in parks every day", "stock prices fell on monday", "the market dropped at the open"]
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(4):
+        optimizer.zero_grad()
+        m(ids, mask, ids, mask).loss.backward()
+        optimizer.step()
+    assert any(float(p.detach().abs().max()) > 0 for n, p in m.retriever.named_parameters() if "lora_B" in n)
+    m.retriever.eval()
+    with torch.no_grad():
+        trained = torch.nn.functional.normalize(m.embed(ids, mask), dim=-1).numpy()  # base + adapters, (6, 64)
+    target = _export(types.SimpleNamespace(encoder=m.merged_retriever()), tokenizer, str(tmp_path / "out"),
+                     {"query_prefix": "", "passage_prefix": ""}, 64)
+    with torch.no_grad():  # merging worked on a copy: the trained model still has its adapters
+        assert torch.allclose(torch.nn.functional.normalize(m.embed(ids, mask), dim=-1), torch.from_numpy(trained))
+    via_transformers = Embedder(target, dtype="float32").encode(texts)
+    via_st = SentenceTransformer(target, device="cpu").encode(texts, prompt_name="passage", convert_to_numpy=True)
+    start = Embedder(tiny_model_dir, dtype="float32").encode(texts)
+    cos = lambda a, b: (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))  # noqa: E731
+    assert cos(via_transformers, trained).min() >= 0.9999
+    assert cos(via_st, trained).min() >= 0.9999
+    assert cos(start, trained).min() < 0.999  # the export is not the start model (-0.47 measured)
