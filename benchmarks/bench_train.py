@@ -9,6 +9,11 @@ Two measurements, both running pipeline/train.py's own code:
          counted by torch.utils.flop_counter on one step (matmuls and attention, forward + backward), achieved
          TFLOP/s and,
          with a peak (``--peak-tflops``, default 989 on CUDA = H100/H200 dense bf16), model FLOPs utilisation
+  memory one process per batch size (``--batches``, default 16,32,64 groups): the peak RSS of one xprt_step of the
+         default objective at that batch (the model, its optimizer state and one step's activations), the peak
+         over the RSS after loading (what the batch costs), the growth per group, and the figure derived for
+         BERT-base at batch 1024 x 256 tokens in bf16 (activations scale with layers x width x tokens; the head's
+         logits are bounded by loss.head_chunk_mb whatever the batch)
   job    the real ``pairmine train`` job (Ray Train, DDP workers, Ray Data streaming), groups/s = median of the
          per-step figures in metrics.jsonl after the first steps (start-up excluded)
 
@@ -20,6 +25,7 @@ how related passages were chosen, so this needs no embedding pass.
     python benchmarks/bench_train.py --mode step --batch 8 --steps 5
     python benchmarks/bench_train.py --mode step --objective revela --revela-lm /models/Qwen2.5-0.5B
     python benchmarks/bench_train.py --device cuda --batch 64   # one GPU (see benchmarks/gpu_train.sh)
+    python benchmarks/bench_train.py --mode memory --batches 16,32,64
 """
 
 from __future__ import annotations
@@ -100,7 +106,8 @@ def bench_step(args, run_dir: Path) -> dict:
     else:
         tokenizer, model, frozen, fresh = _load_models(cfg)
         model.to(device)
-        frozen.to(device)
+        if frozen is not None:
+            frozen.to(device)
         opt = torch.optim.AdamW(_param_groups(model, cfg, fresh))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, 0))
 
@@ -124,6 +131,22 @@ def bench_step(args, run_dir: Path) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    import resource
+
+    def rss_mib() -> float:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+
+    if getattr(args, "memory_step", False):  # one step, its peak RSS (ru_maxrss: the process's high-water mark)
+        loaded = rss_mib()
+        t0 = time.perf_counter()
+        step(0)
+        return {"mode": "memory", "model": cfg.train.model or "all-MiniLM-L6-v2 (default)", "batch": args.batch,
+                "max_length": args.max_length, "rss_after_load_mib": round(loaded, 1),
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "head_chunk_mb": cfg.loss.head_chunk_mb, "s_per_step": round(time.perf_counter() - t0, 1),
+                "threads": torch.get_num_threads()}
     counter = FlopCounterMode(display=False)
     with counter:  # one counted step (also the warm-up)
         step(0)
@@ -148,6 +171,40 @@ def bench_step(args, run_dir: Path) -> dict:
         out["peak_tflops"] = peak
         out["mfu_pct"] = round(100.0 * flops_per_group * gps / (peak * 1e12), 2)
     return out
+
+
+def bench_memory(args) -> list[dict]:
+    """Peak RSS of one default xprt step per batch size, each in a fresh process (see the module docstring)."""
+    import subprocess
+
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        cmd = [sys.executable, __file__, "--mode", "step", "--memory-step", "--batch", str(b), "--max-length",
+               str(args.max_length), "--device", args.device, "--dtype", args.dtype]
+        if args.model:
+            cmd += ["--model", args.model]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((x for x in out.stdout.splitlines() if x.startswith('{"mode": "memory"')), None)
+        if line is None:
+            rows.append({"mode": "memory", "batch": b, "error": (out.stderr or out.stdout)[-600:]})
+        else:
+            rows.append(json.loads(line))
+            rows[-1]["step_mib"] = round(rows[-1]["peak_rss_mib"] - rows[-1]["rss_after_load_mib"], 1)
+        print(json.dumps(rows[-1]), flush=True)
+    ok = [r for r in rows if "error" not in r]
+    if len(ok) >= 2:
+        a, z = ok[0], ok[-1]
+        per_group = (z["peak_rss_mib"] - a["peak_rss_mib"]) / (z["batch"] - a["batch"])
+        # BERT-base (12 layers x 768) against all-MiniLM-L6-v2 (6 x 384): activations per token x 4, bf16 halves
+        # them; the head's chunk stays ~3 x head_chunk_mb (logits, log-softmax, gradient) at any batch
+        derived = per_group * 4 * 0.5 * 1024 / 1024
+        print(f"memory: {per_group:.1f} MiB per group per worker (batch {a['batch']} -> {z['batch']}); derived for "
+              f"BERT-base, batch 1024 x 256 tokens, bf16 on one device: ~{derived:.0f} GiB of activations "
+              f"(+ ~{3 * a['head_chunk_mb'] / 1024:.2f} GiB for one head chunk), ~{derived / 8:.0f} GiB per GPU "
+              "on 8 GPUs (128 groups each)", flush=True)
+    return rows
 
 
 def bench_job(args, run_dir: Path) -> dict:
@@ -175,7 +232,9 @@ def bench_job(args, run_dir: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("step", "job", "both"), default="both")
+    p.add_argument("--mode", choices=("step", "job", "both", "memory"), default="both")
+    p.add_argument("--batches", default="16,32,64", help="memory mode: batch sizes (groups per worker)")
+    p.add_argument("--memory-step", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="", help="starting encoder (default: all-MiniLM-L6-v2)")
     p.add_argument("--objective", default="xprt", choices=("xprt", "xtr", "revela"),
                    help="step mode: the objective whose step is timed (default xprt)")
@@ -194,6 +253,10 @@ def main() -> None:
     args = p.parse_args()
     import logging
 
+    if args.mode == "memory":
+        bench_memory(args)
+        return
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(tempfile.mkdtemp(prefix="bench-groups-"))
     n = make_groups(run_dir)
@@ -202,6 +265,8 @@ def main() -> None:
     if args.mode in ("step", "both"):
         results.append(bench_step(args, run_dir))
         print(json.dumps(results[-1]), flush=True)
+        if args.memory_step:
+            return
     if args.mode in ("job", "both"):
         results.append(bench_job(args, run_dir))
         print(json.dumps(results[-1]), flush=True)

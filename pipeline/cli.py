@@ -160,10 +160,11 @@ def _add_train_parser(sub) -> None:
                         "(1 - alpha) KL against the run's teacher scores (InfoNCE only without them)")
     t.add_argument("--output", metavar="PATH", required=True, help="folder for checkpoints, metrics.jsonl and "
                    "export/; local or s3://. An existing one is resumed from its latest checkpoint")
-    t.add_argument("--positives", choices=("xprt", "random"), help="xprt (default): the positive is s1, the top "
-                   "related passage; random: a random other passage of the same document, drawn from all its passages "
-                   "(re-chunked from the run's input, which must still be there; the paper's ablation). "
-                   "Same as train.positives")
+    t.add_argument("--positives", choices=("xprt", "random", "crop"), help="xprt (default): the positive is s1, the "
+                   "top related passage; random: a random other passage of the same document, drawn from all its "
+                   "passages (re-chunked from the run's input, which must still be there; the paper's ablation); "
+                   "crop: anchor and positive are two independent random spans of the document, each as long as one "
+                   "of its passages (the usual contrastive pre-training pair). Same as train.positives")
     t.add_argument("--objective", choices=("xprt", "xtr", "revela"), help="xprt (default): the full xPRT objective "
                    "(seed 000); xtr: XTR's in-batch token retrieval loss on anchor -> positive (seed 002), a "
                    "multi-vector model to evaluate with pairmine eval --scoring xtr; revela: a causal LM "

@@ -54,8 +54,36 @@ def agrees(passages: list[str], anchor_index: int, anchor_text: str, related_ind
     return all(0 <= i < n and passages[i] == t for i, t in zip(related_indices, related_texts))
 
 
-def draw_random_positives(batch: pa.Table, seed: int) -> pa.Table:
-    """The random positives of ONE document's groups (the ``map_groups`` function).
+def crop_pair(passages: list[str], rng: np.random.Generator) -> tuple[str, str]:
+    """Two independent random spans of one document: the usual contrastive pre-training pair ("two random spans from
+    one document", which seed 000 argues against; ``train.positives = crop``).
+
+    The document is the sequence of its passages' words in order (``passages``: all its passages, as mining chunked
+    them). Each span's length L is drawn uniformly from the word counts of those passages (so spans are as long as
+    passages are: "each of a passage's length distribution", SPEC "Does it help?"), its first word uniformly from
+    the ``n_words - L + 1`` possible starts; the two spans are drawn independently (they may overlap, as in
+    Contriever's cropping).
+
+    Args:
+        passages: the document's passages (at least 1, each at least 1 word).
+        rng: the group's generator (seeded per group, :func:`_rng`).
+
+    Returns:
+        (anchor span, positive span), words joined by single spaces.
+    """
+    words = [w for p in passages for w in p.split()]
+    lengths = [len(p.split()) for p in passages]
+    spans = []
+    for _ in range(2):
+        n = min(lengths[int(rng.integers(len(lengths)))], len(words))
+        start = int(rng.integers(len(words) - n + 1))
+        spans.append(" ".join(words[start:start + n]))
+    return spans[0], spans[1]
+
+
+def draw_random_positives(batch: pa.Table, seed: int, mode: str = "random") -> pa.Table:
+    """The random positives of ONE document's groups (the ``map_groups`` function); with ``mode = "crop"``, the
+    anchor and the positive are both replaced by :func:`crop_pair`'s two random spans of the document.
 
     Args:
         batch: rows of :data:`ROW_SCHEMA` with one ``doc_id``: its groups (``group_id`` set) and its re-chunked
@@ -64,8 +92,8 @@ def draw_random_positives(batch: pa.Table, seed: int) -> pa.Table:
 
     Returns:
         the group rows (``GROUP_COLUMNS``) plus ``positive_text`` (string) and ``positive_index`` (int32, the
-        passage's index in the document; -1 when the document fell back to its groups' passages). Uniform over the
-        document's passages other than the group's anchor (SPEC "Random positives").
+        passage's index in the document; -1 when the document fell back to its groups' passages, and always -1 for
+        crops). Uniform over the document's passages other than the group's anchor (SPEC "Random positives").
     """
     groups = batch.filter(batch.column("group_id").is_valid())
     lists = [p for p in batch.column("passages").to_pylist() if p is not None]
@@ -89,6 +117,16 @@ def draw_random_positives(batch: pa.Table, seed: int) -> pa.Table:
     else:
         indices, texts = list(range(len(passages))), passages
     chosen, chosen_index = [], []
+    if mode == "crop":
+        anchors = []
+        for gid in col["group_id"]:
+            a, p = crop_pair(texts, _rng(seed, gid))
+            anchors.append(a)
+            chosen.append(p)
+        out = groups.select(list(GROUP_COLUMNS))
+        out = out.set_column(out.schema.get_field_index("anchor_text"), "anchor_text", pa.array(anchors, pa.string()))
+        return out.append_column("positive_text", pa.array(chosen, pa.string())) \
+            .append_column("positive_index", pa.array([-1] * len(chosen), pa.int32()))
     for (ai, *_), gid in zip(rows, col["group_id"]):
         others = [k for k, i in enumerate(indices) if i != ai]  # at least the group's own related passages
         k = others[int(_rng(seed, gid).integers(len(others)))]
@@ -180,8 +218,10 @@ def _group_rows(batch: pa.Table) -> pa.Table:
                      "passages": pa.nulls(t.num_rows, ROW_SCHEMA.field("passages").type)}).select(ROW_SCHEMA.names)
 
 
-def with_random_positives(groups_ds, manifest: dict, storage, seed: int, num_partitions: int):
-    """The groups dataset with a ``positive_text`` drawn from all passages of each group's document.
+def with_random_positives(groups_ds, manifest: dict, storage, seed: int, num_partitions: int, mode: str = "random"):
+    """The groups dataset with a ``positive_text`` drawn from all passages of each group's document (``mode``
+    "random"), or with its anchor and positive replaced by two random spans of the document (``mode`` "crop",
+    :func:`crop_pair`).
 
     Args:
         groups_ds: a Ray Dataset of the run's groups (at least ``GROUP_COLUMNS``).
@@ -210,4 +250,4 @@ def with_random_positives(groups_ds, manifest: dict, storage, seed: int, num_par
         batch_format="pyarrow")
     rows = groups_ds.map_batches(_group_rows, batch_format="pyarrow").union(docs)
     return rows.groupby("doc_id", num_partitions=num_partitions).map_groups(
-        lambda b: draw_random_positives(b, seed), batch_format="pyarrow")
+        lambda b: draw_random_positives(b, seed, mode), batch_format="pyarrow")

@@ -242,23 +242,65 @@ def _autocast_dtype(cfg: TrainConfig, device_type: str):
     return torch.bfloat16
 
 
-def _load_models(cfg: TrainConfig):
-    """Tokenizer, trainable XPRTModel and the frozen starting encoder (always the starting model, also on resume)."""
+def xprt_terms(cfg: TrainConfig) -> tuple[str, ...]:
+    """The token-prediction terms of the xPRT objective that are on (weight > 0): a subset of ("mlm", "cross",
+    "self"). A term whose weight is 0 is not computed at all (no decoder pass, no head pass)."""
+    lo = cfg.loss
+    return tuple(t for t, w in (("mlm", lo.w_mlm), ("cross", lo.w_cross), ("self", lo.w_self)) if w > 0)
+
+
+def retention_on(cfg: TrainConfig) -> bool:
+    """True when the retention term has a weight above 0 at some step (else no frozen model is loaded or run)."""
+    return cfg.loss.retention_start > 0 or cfg.loss.retention_end > 0
+
+
+def _load_models(cfg: TrainConfig, objective: str | None = None):
+    """Tokenizer, trainable XPRTModel (only the modules of the terms that are on, see :func:`xprt_terms`), the
+    frozen starting encoder (always the starting model, also on resume; None when the retention term is off), and
+    whether the MLM head is fresh. With ``train.init = scratch`` the encoder is a randomly initialised BERT of
+    ``train.scratch_*`` over the tokenizer of ``train.model`` (the ablation's scratch regime)."""
     import copy
 
     import torch
     from transformers import AutoTokenizer
 
     from pairmine.operators.embed import default_model_path
-    from pairmine.pipeline.xprt_model import XPRTModel, load_encoder_and_head
+    from pairmine.pipeline.xprt import head_rows_per_chunk
+    from pairmine.pipeline.xprt_model import XPRTModel, build_scratch_encoder, load_encoder_and_head
 
-    path = cfg.train.model or default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.train.trust_remote_code)
-    encoder, head, fresh_head = load_encoder_and_head(path, cfg.train.trust_remote_code)
-    frozen = copy.deepcopy(encoder).eval().requires_grad_(False)
-    torch.manual_seed(cfg.train.seed)  # the new modules start the same on every worker (DDP also broadcasts rank 0's)
-    model = XPRTModel(encoder, head, cfg.loss.n_cond)
+    t = cfg.train
+    path = t.model or default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=t.trust_remote_code)
+    terms = xprt_terms(cfg) if (objective or t.objective) == "xprt" else ()
+    if t.init == "scratch":
+        encoder, head = build_scratch_encoder(tokenizer, t.scratch_layers, t.scratch_hidden, t.scratch_heads,
+                                              t.scratch_intermediate, t.max_length, t.seed, bool(terms))
+        fresh_head = True
+    else:
+        encoder, head, fresh_head = load_encoder_and_head(path, t.trust_remote_code)
+    frozen = copy.deepcopy(encoder).eval().requires_grad_(False) if retention_on(cfg) else None
+    if t.attention_dropout >= 0:
+        set_attention_dropout(encoder, t.attention_dropout)
+    if t.gradient_checkpointing and getattr(encoder, "supports_gradient_checkpointing", False):
+        encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(t.seed)  # the new modules start the same on every worker (DDP also broadcasts rank 0's)
+    vocab = encoder.get_input_embeddings().num_embeddings  # the head predicts through the tied token table
+    model = XPRTModel(encoder, head, cfg.loss.n_cond, terms, head_rows_per_chunk(vocab, cfg.loss.head_chunk_mb),
+                      t.gradient_checkpointing)
+    if t.attention_dropout >= 0 and model.decoder is not None:
+        model.decoder.self_attn.dropout = t.attention_dropout
     return tokenizer, model, frozen, fresh_head
+
+
+def set_attention_dropout(encoder, p: float) -> int:
+    """Set the attention-probability dropout of every attention module of a HuggingFace encoder to ``p`` (their
+    ``dropout`` submodule, which the eager and SDPA attention paths read). Returns the modules changed."""
+    n = 0
+    for name, m in encoder.named_modules():
+        drop = getattr(m, "dropout", None)
+        if type(m).__name__.endswith("SelfAttention") and hasattr(drop, "p"):
+            drop.p, n = p, n + 1
+    return n
 
 
 def _load_revela_models(cfg: TrainConfig):
@@ -287,7 +329,9 @@ def _load_revela_models(cfg: TrainConfig):
 
 def _param_groups(model, cfg: TrainConfig, fresh_head: bool) -> list[dict]:
     new = {id(p) for p in model.new_parameters()}
-    if fresh_head:
+    if cfg.train.init == "scratch":  # every parameter is new: one group at train.lr_new
+        new = {id(p) for p in model.parameters()}
+    elif fresh_head and model.head is not None:
         emb = {id(p) for p in model.encoder.parameters()}
         new |= {id(p) for p in model.head.parameters() if id(p) not in emb}  # the tied token table stays "old"
     seen, old_p, new_p = set(), [], []
@@ -576,8 +620,12 @@ def export_description(cfg: TrainConfig, storage, run_dir: str):
         pairmine_version=__version__)
 
 
-def encode_batch(tokenizer, batch: dict, cfg: TrainConfig, step: int, rank: int) -> dict:
+def encode_batch(tokenizer, batch: dict, cfg: TrainConfig, step: int, rank: int, related: bool = True) -> dict:
     """Tokenise a batch of groups on the worker and mask it (seeded by seed, step and rank).
+
+    Args:
+        related: also the related passages 2..R (needed by L_cross and L_MLM only); False: anchors and positives
+            only (P = 2).
 
     Returns:
         ids, attn (P * g, seq) passage-major (anchors, positives, related passages 2..R), enc_ids/enc_chosen (15%,
@@ -591,11 +639,13 @@ def encode_batch(tokenizer, batch: dict, cfg: TrainConfig, step: int, rank: int)
     lo = cfg.loss
     g = len(batch["anchor_text"])
     positives = batch["positive_text"] if "positive_text" in batch else [r[0] for r in batch["related_texts"]]
-    related = [list(r) for r in batch["related_texts"]]
-    if any(len(r) != len(related[0]) for r in related):
+    rel = [list(r) for r in batch["related_texts"]]
+    if any(len(r) != len(rel[0]) for r in rel):
         raise ValueError("groups in one batch have different numbers of related passages")
     # passage-major: anchors, positives, then related passages 2..R (s1 itself is the xPRT positive)
-    texts = list(batch["anchor_text"]) + list(positives) + [r[k] for k in range(1, len(related[0])) for r in related]
+    texts = list(batch["anchor_text"]) + list(positives)
+    if related:
+        texts += [r[k] for k in range(1, len(rel[0])) for r in rel]
     prefix = cfg.resolved_prefix()
     enc = tokenizer([prefix + t for t in texts], padding=True, truncation=True, max_length=cfg.train.max_length,
                     return_tensors="pt")
@@ -622,35 +672,39 @@ def xprt_step(model, frozen, tokenizer, batch: dict, cfg: TrainConfig, step: int
     import torch.nn.functional as F
 
     from pairmine.operators.embed import mean_pool
-    from pairmine.pipeline.xprt import (
-        gather_with_grad, info_nce_symmetric, masked_lm_loss, retention_kl, retention_weight, self_distillation_loss,
-        uniformity,
-    )
+    from pairmine.pipeline.xprt import gather_with_grad, info_nce_symmetric, retention_kl, retention_weight, uniformity
 
     lo = cfg.loss
     model.train()
-    b = encode_batch(tokenizer, batch, cfg, step, rank)
+    inner = model.module if hasattr(model, "module") else model
+    # L_cross's related -> anchor passes and L_MLM's passes need the related passages 2..R; L_xp, L_self and the
+    # retention term only anchors and positives
+    b = encode_batch(tokenizer, batch, cfg, step, rank, related="cross" in inner.terms or "mlm" in inner.terms)
     g = b["g"]
     ids, attn, enc_ids, enc_chosen, dec_ids, dec_chosen, docs = (
         b[k].to(device) for k in ("ids", "attn", "enc_ids", "enc_chosen", "dec_ids", "dec_chosen", "doc_ids"))
     with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
         out = model(enc_ids, attn, enc_chosen, ids, dec_ids, dec_chosen, g)
-        with torch.no_grad():  # the frozen starting model, unmasked anchors and positives
-            hidden = frozen(input_ids=ids[: 2 * g], attention_mask=attn[: 2 * g]).last_hidden_state  # (2g, seq, dim)
-            frz = F.normalize(mean_pool(hidden, attn[: 2 * g]).float(), dim=-1)  # (2g, dim)
+        if frozen is not None:
+            with torch.no_grad():  # the frozen starting model, unmasked anchors and positives
+                hidden = frozen(input_ids=ids[: 2 * g], attention_mask=attn[: 2 * g]).last_hidden_state  # (2g, seq, dim)
+                frz = F.normalize(mean_pool(hidden, attn[: 2 * g]).float(), dim=-1)  # (2g, dim)
     vec = F.normalize(out.pooled.float(), dim=-1)  # (P * g, dim)
     a, p = gather_with_grad(vec[:g]), gather_with_grad(vec[g: 2 * g])  # (world * g, dim) each
-    fa, fp = gather_with_grad(frz[:g]), gather_with_grad(frz[g:])  # (world * g, dim) each, constants
     all_docs = gather_with_grad(docs)  # (world * g,)
-    w_ret = retention_weight(step, total, lo.retention_start, lo.retention_end)
+    w_ret = retention_weight(step, total, lo.retention_start, lo.retention_end) if frozen is not None else 0.0
+    zero = a.new_zeros(())
     terms = {
         "l_xp": info_nce_symmetric(a, p, all_docs, lo.tau, lo.mask_same_doc),
-        "l_unif": uniformity(a, lo.unif_t),
-        "l_retention": retention_kl(a, p, fa, fp, lo.retention_tau),
-        "l_cross": masked_lm_loss(out.cross_logits, out.cross_labels),
-        "l_self": self_distillation_loss(out.self_logits, out.self_teacher),
-        "l_mlm": masked_lm_loss(out.mlm_logits, ids[enc_chosen]),
+        "l_unif": uniformity(a, lo.unif_t) if lo.w_unif > 0 else zero,
+        "l_retention": zero,
+        "l_cross": out.l_cross,
+        "l_self": out.l_self,
+        "l_mlm": out.l_mlm,
     }
+    if frozen is not None:
+        fa, fp = gather_with_grad(frz[:g]), gather_with_grad(frz[g:])  # (world * g, dim) each, constants
+        terms["l_retention"] = retention_kl(a, p, fa, fp, lo.retention_tau)
     global_part = lo.w_xp * terms["l_xp"] + lo.w_unif * terms["l_unif"] + w_ret * terms["l_retention"]
     local_part = lo.w_cross * terms["l_cross"] + lo.w_self * terms["l_self"] + lo.w_mlm * terms["l_mlm"]
     # DDP averages gradients over workers. Local terms: the average of per-worker means is the global mean.
@@ -897,8 +951,9 @@ def train_loop(config: dict) -> None:
                                         "lr": cfg.train.revela_lr, "weight_decay": cfg.train.weight_decay}])
         warmup = min(cfg.train.revela_warmup_steps, total)
     else:
-        tokenizer, model, frozen, fresh_head = _load_models(cfg)
-        frozen.to(device)
+        tokenizer, model, frozen, fresh_head = _load_models(cfg, config.get("objective"))
+        if frozen is not None:
+            frozen.to(device)
         optimizer = torch.optim.AdamW(_param_groups(model, cfg, fresh_head))
         warmup = int(cfg.train.warmup_ratio * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup))
@@ -1218,17 +1273,21 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
     if negatives:
         h = cfg.distill.hard_negatives
         ds = ds.filter(lambda row: row["negatives"] is not None and len(row["negatives"]) >= h)
-    elif cfg.train.positives == "random":
+    elif cfg.train.positives in ("random", "crop"):
         from pairmine.pipeline.positives import with_random_positives
 
         try:
             run_manifest = json.loads(storage.read_bytes(f"{run_dir}/manifest.json"))
         except (OSError, ValueError) as e:
-            raise InputError(f"groups {groups}: random positives need the run's manifest.json ({e})") from None
-        ds = with_random_positives(ds, run_manifest, storage, cfg.train.seed, max(1, min(64, len(parts))))
+            raise InputError(f"groups {groups}: {cfg.train.positives} positives need the run's manifest.json "
+                             f"({e})") from None
+        ds = with_random_positives(ds, run_manifest, storage, cfg.train.seed, max(1, min(64, len(parts))),
+                                   cfg.train.positives)
         ds = ds.select_columns(["group_id", "doc_id", "anchor_text", "related_texts", "positive_text"])
-        log.info("random positives: drawn from all passages of each group's document, re-chunked from the run's "
-                 "%d input file(s)", len(run_manifest.get("inputs") or []))
+        log.info("%s: drawn from all passages of each group's document, re-chunked from the run's %d input file(s)",
+                 "random positives" if cfg.train.positives == "random"
+                 else "crop pairs (anchor and positive: two random spans of passage length)",
+                 len(run_manifest.get("inputs") or []))
     else:
         ds = ds.select_columns(["group_id", "doc_id", "anchor_text", "related_texts"])
     ds = ds.randomize_block_order(seed=cfg.train.seed)

@@ -14,7 +14,8 @@ from pairmine.pipeline.config import (
     Sections, StorageConfig, _f, apply_file_and_overrides, describe_configured_model, storage_of,
 )
 
-POSITIVES = ("xprt", "random")
+POSITIVES = ("xprt", "random", "crop")
+INITS = ("pretrained", "scratch")
 OBJECTIVES = ("xprt", "xtr", "revela")
 
 
@@ -31,7 +32,23 @@ class TrainSection:
                         "retriever through next-token prediction (seed 001; needs train.revela_lm)")
     positives: str = _f("xprt", "xprt: the positive is s1, the top related passage (seed 000); random: a random other "
                         "passage of the same document, drawn from all its passages re-chunked from the run's input "
-                        "(the paper's main ablation; SPEC 'Random positives')")
+                        "(the paper's main ablation; SPEC 'Random positives'); crop: anchor and positive are two "
+                        "independent random spans of the document, each as long as one of its passages drawn at "
+                        "random (the usual contrastive pre-training pair; pipeline/positives.py crop_pair)")
+    gradient_checkpointing: bool = _f(True, "recompute each encoder layer's and the decoder's activations in the "
+                                      "backward pass instead of keeping them (HuggingFace gradient checkpointing, "
+                                      "torch.utils.checkpoint): activation memory grows by about one layer per "
+                                      "passage instead of all of them, for ~1 extra forward pass (ours)")
+    attention_dropout: float = _f(-1.0, "dropout on the attention probabilities; -1: the model's own (BERT: 0.1). 0 "
+                                  "lets torch's fused attention kernel run on CPU (it has no dropout): no (seq x "
+                                  "seq) matrices kept, faster (ours)")
+    init: str = _f("pretrained", "pretrained: start from train.model's weights; scratch: a randomly initialised BERT "
+                   "of train.scratch_* with train.model's tokenizer (pairmine ablate's scratch regime), every "
+                   "parameter at train.lr_new")
+    scratch_layers: int = _f(4, "train.init scratch: transformer layers (ours: sized for the ablation on 2 CPU cores)")
+    scratch_hidden: int = _f(256, "train.init scratch: hidden size")
+    scratch_heads: int = _f(4, "train.init scratch: attention heads (must divide scratch_hidden)")
+    scratch_intermediate: int = _f(1024, "train.init scratch: feed-forward size")
     batch_size: int = _f(64, "groups per optimizer step over all workers (global batch; our default); must divide "
                          "by scaling.num_workers")
     max_length: int = _f(256, "tokens per passage (as pairmine mine's embed.max_length); longer passages are truncated")
@@ -83,6 +100,10 @@ class LossSection:
                            "the retriever's cosines (seed 001 section 4.1: 1e-4)")
     revela_v_norm: bool = _f(False, "Revela: V-normalise the cross-document outputs (seed 001 appendix B.5, eq. "
                              "8-9, eps 1e-6; the seed uses it on Wikipedia and reports code better without it)")
+    head_chunk_mb: float = _f(256.0, "MiB of fp32 (masked positions x vocabulary) logits put through the MLM head at "
+                              "once (L_MLM, L_cross, L_self); more positions are computed a chunk at a time and "
+                              "recomputed in the backward pass, so memory stays bounded at any batch (ours; ~3x "
+                              "this per worker at the peak: logits, log-softmax, gradient)")
     w_mlm: float = _f(0.1, "weight of L_MLM on the encoder's masked passes (not given by the seed: our default)")
     w_unif: float = _f(0.1, "weight of L_unif over the batch's anchors (not given by the seed: our default)")
     unif_t: float = _f(2.0, "t in L_unif = log mean exp(-t |x - y|^2) (Wang & Isola's t = 2)")
@@ -174,6 +195,16 @@ class TrainConfig(Sections):
             ("loss.xtr_k_train", lo.xtr_k_train >= 1, ">= 1"),
             ("loss.xtr_tau", lo.xtr_tau > 0, "> 0"),
             ("loss.xtr_chunk_mb", lo.xtr_chunk_mb > 0, "> 0"),
+            ("loss.head_chunk_mb", lo.head_chunk_mb > 0, "> 0"),
+            ("train.attention_dropout", t.attention_dropout == -1 or 0 <= t.attention_dropout < 1, "-1 or in [0, 1)"),
+            ("train.init", t.init in INITS, "one of " + ", ".join(INITS)),
+            ("train.init", t.init == "pretrained" or t.objective == "xprt",
+             "scratch trains the xprt objective only"),
+            ("train.scratch_layers", t.scratch_layers >= 1, ">= 1"),
+            ("train.scratch_hidden", t.scratch_hidden >= 8, ">= 8"),
+            ("train.scratch_heads", t.scratch_heads >= 1 and t.scratch_hidden % max(1, t.scratch_heads) == 0,
+             ">= 1 and dividing train.scratch_hidden"),
+            ("train.scratch_intermediate", t.scratch_intermediate >= 1, ">= 1"),
             ("train.revela_lm", t.objective != "revela" or t.revela_lm != "",
              "a causal LM (local folder or hub id): required when train.objective is revela"),
             ("train.revela_lora_rank", t.revela_lora_rank >= 1, ">= 1"),

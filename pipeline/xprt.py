@@ -205,3 +205,72 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     dist.all_gather(parts, x.detach().contiguous())
     parts[dist.get_rank()] = x
     return torch.cat(parts)
+
+
+def head_rows_per_chunk(vocab_size: int, chunk_mb: float) -> int:
+    """Rows of (rows, vocab) fp32 logits that fit in ``chunk_mb`` MiB (at least 1): the chunk of
+    :func:`chunked_head_cross_entropy` and :func:`chunked_head_self_kl` (``loss.head_chunk_mb``)."""
+    return max(1, int(chunk_mb * 2**20 // (4 * max(1, vocab_size))))
+
+
+def _chunks(n: int, rows: int):
+    return [(i, min(n, i + rows)) for i in range(0, n, rows)]
+
+
+def _ce_sum(head, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), labels, reduction="sum")
+
+
+def _kl_sum(head, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # the teacher gets no gradient from L_self
+        target = head(teacher).float().log_softmax(-1)  # (rows, vocab)
+    return F.kl_div(head(student).float().log_softmax(-1), target, log_target=True, reduction="sum")
+
+
+def _chunked_sum(fn, head, a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
+    from torch.utils.checkpoint import checkpoint
+
+    spans = _chunks(len(a), rows)
+    if len(spans) == 1:  # one chunk: nothing to bound, no recomputation
+        return fn(head, a, b)
+    return torch.stack([checkpoint(fn, head, a[i:j], b[i:j], use_reentrant=False) for i, j in spans]).sum()
+
+
+def chunked_head_cross_entropy(head, hidden: torch.Tensor, labels: torch.Tensor, rows: int) -> torch.Tensor:
+    """L_MLM / L_cross through the MLM head, ``rows`` masked positions at a time: the mean cross-entropy of
+    ``head(hidden)`` against ``labels``, equal to ``masked_lm_loss(head(hidden), labels)`` within float tolerance,
+    value and gradients (tests/test_xprt.py), while no (masked rows x vocab) tensor larger than ``rows x vocab`` is
+    ever held: each chunk's logits, log-softmax and their gradient are recomputed in the backward pass (activation
+    checkpointing, ``torch.utils.checkpoint``) instead of kept. One chunk is computed directly.
+
+    Args:
+        head: the MLM head, (n, dim) -> (n, vocab) logits.
+        hidden: (n_masked, dim) hidden states at the masked positions.
+        labels: (n_masked,) true token ids.
+        rows: chunk size in rows (:func:`head_rows_per_chunk`).
+
+    Returns:
+        scalar float32 loss; 0 (with a graph) when there is no masked position.
+    """
+    if len(labels) == 0:
+        return hidden.sum() * 0.0
+    return _chunked_sum(_ce_sum, head, hidden, labels, rows) / len(labels)
+
+
+def chunked_head_self_kl(head, student: torch.Tensor, teacher: torch.Tensor, rows: int) -> torch.Tensor:
+    """L_self through the MLM head, ``rows`` positions at a time: KL(teacher || student) of the word distributions
+    ``head(teacher)`` (the encoder's own 15%-masked pass, no gradient) and ``head(student)`` (the decoder's),
+    averaged over positions; equal to ``self_distillation_loss(head(student), head(teacher))`` within float
+    tolerance, with the memory bound of :func:`chunked_head_cross_entropy`.
+
+    Args:
+        head: the MLM head. student: (n, dim) decoder hidden states. teacher: (n, dim) encoder hidden states at the
+            same positions (detached here).
+        rows: chunk size in rows.
+
+    Returns:
+        scalar float32 loss; 0 (with a graph) when there is no position.
+    """
+    if len(student) == 0:
+        return student.sum() * 0.0
+    return _chunked_sum(_kl_sum, head, student, teacher.detach(), rows) / len(student)

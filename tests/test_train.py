@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from pairmine.operators.chunk import chunk_text
-from pairmine.pipeline.config import load_config, run_token_limit
+from pairmine.pipeline.config import ConfigError, load_config, run_token_limit
+from pairmine.pipeline.train_config import load_train_config
 from pairmine.pipeline.positives import ROW_SCHEMA, check_inputs_unchanged, draw_random_positives, with_random_positives
 from pairmine.pipeline.train import (
     CHECKPOINT_MARKER, RAY_SNAPSHOT, STATE_FILE, ResumePlan, _save_state, checkpoint_dir_name, epoch_accounting,
@@ -387,6 +388,94 @@ def test_random_positives_are_drawn_from_all_passages_of_the_document():
     assert draw_random_positives(_doc_rows([], [doc]), seed=0).num_rows == 0  # a document without groups
 
 
+def test_crop_pairs_are_two_spans_of_passage_length_from_the_same_document():
+    from pairmine.pipeline.positives import crop_pair
+
+    # document "d" of 10 passages whose word counts are 3, 4, ..., 12; words w<passage>_<k> show where a span lies
+    doc = [" ".join(f"w{i}_{k}" for k in range(3 + i)) for i in range(10)]
+    words = " ".join(doc).split()
+    lengths = {3 + i for i in range(10)}
+    groups = [("g0", 0, [1, 2, 3, 4]), ("g1", 5, [6, 7, 8, 0])]
+    rows = _doc_rows(groups, [doc])
+    rows = rows.set_column(rows.schema.get_field_index("anchor_text"), "anchor_text",
+                           pa.array([doc[0], doc[5], None], pa.string()))
+    rows = rows.set_column(rows.schema.get_field_index("related_texts"), "related_texts",
+                           pa.array([[doc[i] for i in r] for _, _, r in groups] + [None], ROW_SCHEMA.field(
+                               "related_texts").type))
+    out = draw_random_positives(rows, seed=0, mode="crop")
+    assert out.column("group_id").to_pylist() == ["g0", "g1"]
+    assert out.column("positive_index").to_pylist() == [-1, -1]
+    joined = " " + " ".join(words) + " "
+    for a, p in zip(out.column("anchor_text").to_pylist(), out.column("positive_text").to_pylist()):
+        for span in (a, p):
+            assert len(span.split()) in lengths and f" {span} " in joined  # a contiguous run of the document
+        assert a not in doc or p not in doc or a != p
+    assert draw_random_positives(rows, seed=0, mode="crop").equals(out)  # seeded per group
+    assert not draw_random_positives(rows, seed=1, mode="crop").equals(out)
+    # over many draws: every passage length occurs, and spans start anywhere (not only at passage starts)
+    rng = np.random.default_rng(7)
+    pairs = [crop_pair(doc, rng) for _ in range(400)]
+    spans = [s for pair in pairs for s in pair]
+    assert {len(s.split()) for s in spans} == lengths
+    starts = {words.index(s.split()[0]) for s in spans}
+    assert len(starts) > 40 and any(not words[i].endswith("_0") for i in starts)
+    # the two spans of a pair are drawn independently: their lengths differ in most pairs
+    assert sum(len(a.split()) != len(p.split()) for a, p in pairs) > 300
+
+
+def _tiny_batch(g: int = 4) -> dict:
+    return {"doc_id": [f"doc{j}" for j in range(g)], "group_id": [f"g{j}" for j in range(g)],
+            "anchor_text": [f"the anchor passage of group {j} about topic {j}" for j in range(g)],
+            "related_texts": [[f"related passage {k} of group {j} on topic {j}" for k in range(4)] for j in range(g)]}
+
+
+def test_a_term_whose_weight_is_zero_runs_no_pass(tiny_model_dir):
+    from pairmine.pipeline.train import _load_models, lr_factor, xprt_step
+
+    def run(overrides):
+        cfg = load_train_config(overrides=[f"train.model={tiny_model_dir}", "train.batch_size=4", *overrides])
+        tokenizer, model, frozen, fresh = _load_models(cfg)
+        rows = []
+        model.encoder.register_forward_pre_hook(lambda m, a, k: rows.append(len(k["input_ids"])), with_kwargs=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 2, 0))
+        terms, w_ret, _, _ = xprt_step(model, frozen, tokenizer, _tiny_batch(), cfg, 0, 2, 0, 1,
+                                       torch.device("cpu"), None, opt, sched)
+        return model, frozen, rows, {k: float(v.detach()) for k, v in terms.items()}, w_ret
+
+    model, frozen, rows, terms, w_ret = run([])
+    assert model.decoder is not None and model.head is not None and frozen is not None
+    assert rows == [20] and w_ret == 40.0  # 5 passages x 4 groups through the encoder
+    assert all(terms[k] > 0 for k in ("l_cross", "l_self", "l_mlm", "l_retention"))
+    # L_xp alone (the ablation's scratch regime): no decoder, no head, no frozen model, anchors and positives only
+    model, frozen, rows, terms, w_ret = run(["loss.w_cross=0", "loss.w_self=0", "loss.w_mlm=0", "loss.w_unif=0",
+                                             "loss.retention_start=0"])
+    assert model.decoder is None and model.head is None and frozen is None
+    assert rows == [8] and w_ret == 0.0
+    assert terms["l_xp"] > 0 and all(terms[k] == 0 for k in ("l_cross", "l_self", "l_mlm", "l_unif", "l_retention"))
+    # L_self alone needs the decoder and the head but not the related passages 2..4
+    model, frozen, rows, terms, _ = run(["loss.w_cross=0", "loss.w_mlm=0"])
+    assert model.decoder is not None and rows == [8] and terms["l_self"] > 0 and terms["l_cross"] == 0
+
+
+def test_scratch_init_is_a_seeded_random_bert_with_the_models_tokenizer(tiny_model_dir):
+    from pairmine.pipeline.train import _load_models
+
+    over = [f"train.model={tiny_model_dir}", "train.init=scratch", "train.scratch_layers=1", "train.scratch_hidden=32",
+            "train.scratch_heads=2", "train.scratch_intermediate=64", "loss.w_cross=0", "loss.w_self=0",
+            "loss.w_mlm=0", "loss.retention_start=0"]
+    tok, model, frozen, _ = _load_models(load_train_config(overrides=over))
+    c = model.encoder.config
+    assert (c.num_hidden_layers, c.hidden_size, c.vocab_size) == (1, 32, len(tok)) and frozen is None
+    _, again, _, _ = _load_models(load_train_config(overrides=over))
+    assert all(torch.equal(a, b) for a, b in zip(model.encoder.parameters(), again.encoder.parameters()))
+    _, other, _, _ = _load_models(load_train_config(overrides=[*over, "train.seed=1"]))
+    assert not torch.equal(model.encoder.embeddings.word_embeddings.weight,
+                           other.encoder.embeddings.word_embeddings.weight)
+    with pytest.raises(ConfigError, match="train.scratch_heads"):
+        load_train_config(overrides=[*over, "train.scratch_heads=3"])
+
+
 def test_model_passes_shapes_on_a_tiny_bert(tiny_model_dir):
     from transformers import AutoTokenizer
 
@@ -408,11 +497,16 @@ def test_model_passes_shapes_on_a_tiny_bert(tiny_model_dir):
     d_ids, d_ch = mask_tokens(ids, special, 0.6, gen, tok.mask_token_id, len(tok))
     out = model(e_ids, attn, e_ch, ids, d_ids, d_ch, g)
     assert out.pooled.shape == (5 * g, 64)
-    assert out.mlm_logits.shape == (int(e_ch.sum()), len(tok))
+    assert out.n_mlm == int(e_ch.sum())
     # 8 cross passes: related 1..4 filled from the anchor vector, the anchor filled from each related vector
     n_cross = sum(int(d_ch[k * g: (k + 1) * g].sum()) for k in range(1, 5)) + 4 * int(d_ch[:g].sum())
-    assert out.cross_logits.shape == (n_cross, len(tok)) and out.cross_labels.shape == (n_cross,)
-    assert out.self_logits.shape == out.self_teacher.shape == (int(d_ch[: 2 * g].sum()), len(tok))
+    assert out.n_cross == n_cross and out.n_self == int(d_ch[: 2 * g].sum())
+    assert all(math.isfinite(float(v)) and float(v) > 0 for v in (out.l_mlm, out.l_cross, out.l_self))
+    # the terms are the plain losses over the head's full logits (recomputed here from the same passes)
+    from pairmine.pipeline.xprt import masked_lm_loss
+    with torch.no_grad():
+        hidden = encoder(input_ids=e_ids, attention_mask=attn).last_hidden_state
+    assert float(out.l_mlm) == pytest.approx(float(masked_lm_loss(head(hidden[e_ch]), ids[e_ch])), rel=1e-5)
     # the sentence vectors are mining's: mean pooling of the encoder (here of the masked passes)
     from pairmine.operators.embed import mean_pool
     with torch.no_grad():

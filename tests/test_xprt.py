@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from pairmine.pipeline.config import ConfigError
 from pairmine.pipeline.train_config import load_train_config
 from pairmine.pipeline.xprt import (
-    info_nce_symmetric, mask_tokens, masked_lm_loss, positive_probability, retention_kl, retention_weight,
-    self_distillation_loss, uniformity,
+    chunked_head_cross_entropy, chunked_head_self_kl, head_rows_per_chunk, info_nce_symmetric, mask_tokens,
+    masked_lm_loss, positive_probability, retention_kl, retention_weight, self_distillation_loss, uniformity,
 )
 
 
@@ -98,6 +98,75 @@ def test_masked_lm_and_self_distillation_losses():
     by_hand = sum((1 / 3) * math.log((1 / 3) / q) for q in (0.5, 0.25, 0.25))  # KL(uniform || row 0)
     by_hand += sum((1 / 3) * math.log((1 / 3) / q) for q in (0.1, 0.8, 0.1))
     assert self_distillation_loss(logits, teacher).item() == pytest.approx(by_hand / 2, rel=1e-5)
+
+
+def _tiny_head(dim: int = 16, vocab: int = 50) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU(), torch.nn.LayerNorm(dim),
+                               torch.nn.Linear(dim, vocab))
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+def test_chunked_head_losses_equal_the_unchunked_ones_in_value_and_gradient():
+    head = _tiny_head()
+    params = list(head.parameters())
+    n = 37  # 8 chunks of 5 rows, the last one of 2
+    hidden = torch.randn(n, 16, requires_grad=True)
+    teacher = torch.randn(n, 16, requires_grad=True)
+    labels = torch.randint(50, (n,))
+    ref = masked_lm_loss(head(hidden), labels)
+    got = chunked_head_cross_entropy(head, hidden, labels, rows=5)
+    assert got.item() == pytest.approx(ref.item(), rel=1e-6)
+    for a, b in zip(_grads(got, [hidden, *params]), _grads(ref, [hidden, *params])):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    ref = self_distillation_loss(head(hidden), head(teacher))
+    got = chunked_head_self_kl(head, hidden, teacher, rows=5)
+    assert got.item() == pytest.approx(ref.item(), rel=1e-6)
+    for a, b in zip(_grads(got, [hidden, *params]), _grads(ref, [hidden, *params])):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    # the teacher gets no gradient from L_self, chunked or not
+    assert chunked_head_self_kl(head, hidden, teacher, rows=5).grad_fn is not None
+    assert torch.autograd.grad(chunked_head_self_kl(head, hidden, teacher, rows=5), teacher,
+                               allow_unused=True)[0] is None
+    # no masked position: 0 with a graph
+    empty = torch.zeros(0, 16, requires_grad=True)
+    assert chunked_head_cross_entropy(head, empty, labels[:0], rows=5).item() == 0.0
+    assert head_rows_per_chunk(30522, 256) == 2198 and head_rows_per_chunk(10**9, 1) == 1
+
+
+def test_no_tensor_larger_than_one_chunk_of_logits_exists_forward_or_backward():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        """The largest tensor any op produces whose last dimension is the vocabulary (logits and their kin)."""
+
+        def __init__(self, vocab):
+            super().__init__()
+            self.vocab, self.rows = vocab, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == self.vocab:
+                    self.rows = max(self.rows, t.numel() // self.vocab)
+            return out
+
+    head = _tiny_head(dim=4, vocab=50)  # dim < the chunk: the head's (dim, vocab) weight gradient is smaller
+    hidden, teacher = torch.randn(37, 4, requires_grad=True), torch.randn(37, 4)
+    labels = torch.randint(50, (37,))
+    for loss in (lambda r: chunked_head_cross_entropy(head, hidden, labels, r),
+                 lambda r: chunked_head_self_kl(head, hidden, teacher, r)):
+        probe = Largest(50)
+        with probe:
+            loss(5).backward()
+        assert probe.rows == 5  # at most one chunk of (rows, vocab), forward and backward
+        probe = Largest(50)
+        with probe:
+            loss(37).backward()
+        assert probe.rows == 37  # one chunk holding every row: the probe sees the full logits
 
 
 def test_masking_rates_on_a_fixed_seed():
