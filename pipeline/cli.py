@@ -198,6 +198,68 @@ def cmd_train(args) -> int:
     return 0
 
 
+ABLATE_EPILOG = """\
+Arms (one proxy encoder per arm and seed; the same groups, pairs per step, steps, optimiser and seed; only the
+positive changes):
+  start    no training (scratch: the seed's random BERT; continue: the run's model)
+  xprt     anchor -> s1, the top related passage: what pairmine mines
+  random   anchor -> a random other passage of the same document (train --positives random, the paper's ablation)
+  crop     two random spans of the same document, each of passage length (train --positives crop)
+
+Regimes:
+  scratch  (default) a 4-layer, 256-wide BERT (train.scratch_*) with the default model's tokenizer, random init, L_xp
+           alone: 150 steps of 64 pairs x 128 tokens per arm (--quick: 12 steps of 16 x 64)
+  continue the run's embedding model continued with the full xPRT objective: 60 steps of 16 groups
+
+Output: OUT/ablation.json, OUT/ablation.md (the table), OUT/ablation.html (the table and a plot),
+OUT/units/<arm>-s<seed>/ (training folder, export/, evals/, done.json). Re-running with the same OUT skips the
+finished units; another plan (groups, sets, regime, config) on the same OUT is refused.
+
+Examples:
+  pairmine ablate --groups runs/fineweb-long --beir ../shared/data/fiqa-pairs-beir --sts STS.csv --output abl/fwl
+  pairmine ablate --groups runs/sample --beir tests/data/fiqa-pairs-beir --output abl/quick --quick --seeds 2
+"""
+
+
+def _add_ablate_parser(sub) -> None:
+    a = sub.add_parser(
+        "ablate", help="the data ablation: train proxy encoders on xprt / random / crop positives and compare them",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=ABLATE_EPILOG,
+        description="Does training on the mined groups give a better encoder than the cheap pairs from the same "
+        "documents? Trains one proxy per arm and seed, evaluates each with pairmine eval, compares them with "
+        "pairmine compare (SPEC 'Does it help?'; seed 000 Table 3).")
+    a.add_argument("--groups", metavar="RUN", required=True, help="a committed pairmine mine run folder (local); "
+                   "random and crop re-read its input")
+    a.add_argument("--beir", metavar="DIR", action="append", default=[], help="BEIR folder to evaluate on "
+                   "(repeatable)")
+    a.add_argument("--sts", metavar="FILE", help="STS-B style file: adds Spearman")
+    a.add_argument("--output", metavar="OUT", required=True, help="the ablation's folder (resumed when it exists)")
+    a.add_argument("--arms", default="start,xprt,random,crop", help="comma-separated arms (default: all four)")
+    a.add_argument("--regime", choices=("scratch", "continue"), default="scratch", help="scratch (default) or "
+                   "continue, see below")
+    a.add_argument("--seeds", type=int, default=2, help="seeds per arm (default 2)")
+    a.add_argument("--quick", action="store_true", help="the small budget (minutes), for a smoke run")
+    a.add_argument("--config", metavar="FILE", help="TOML file of pairmine train keys (see pairmine train --help), "
+                   "applied after the regime's settings")
+    a.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a pairmine train key, e.g. --set train.max_steps=300 (repeatable)")
+    a.add_argument("--eval-set", dest="eval_overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override an embed key of the evaluations, e.g. --eval-set embed.batch_size=64")
+
+
+def cmd_ablate(args) -> int:
+    from pairmine.pipeline.ablate import ablate, parse_arms
+
+    arms = parse_arms(args.arms)
+    res = ablate(args.groups, args.beir, args.sts, args.output, arms, args.regime, args.seeds, args.quick,
+                 args.config, args.overrides, args.eval_overrides)
+    with open(os.path.join(res.output, "ablation.md")) as f:
+        print(f.read())
+    print(f"ablation: {res.output}/ablation.json, ablation.md, ablation.html ({res.trained} unit(s) trained now, "
+          f"{res.summary['wall_s']:.0f} s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pairmine",
@@ -248,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common_args(f)
     _add_negatives_parser(sub)
     _add_train_parser(sub)
+    _add_ablate_parser(sub)
     add_eval_commands(sub)
     return parser
 
@@ -679,6 +742,8 @@ def interrupted_hint(command: str) -> str:
     (:attr:`pipeline.run_folder.RunFolder.last_run_id`)."""
     if command == "train":
         return "; run the same command (same --output) to resume from its newest checkpoint"
+    if command == "ablate":
+        return "; run the same command (same --output) to resume: finished arms are skipped"
     if command not in ("mine", "filter-pairs", "negatives"):
         return ""
     from pairmine.pipeline.run_folder import RunFolder
@@ -758,6 +823,8 @@ def _run(parser, args) -> int:
             return cmd_negatives(args)
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "ablate":
+            return cmd_ablate(args)
         if args.command in EVAL_COMMANDS:
             return EVAL_COMMANDS[args.command](args)
     except KeyboardInterrupt:
