@@ -104,12 +104,35 @@ def _own_sigterm_handler():
 started_private_ray = False
 """Whether :func:`init_ray` started a private local Ray in this process (the CLI shuts that one down itself)."""
 
+JOB_ENVIRONMENT = (
+    ("RAY_JOB_SUBMISSION_ID", "a KubeRay RayJob's submitter pod"),  # KubeRay sets it (and RAY_DASHBOARD_ADDRESS) there
+    ("RAY_JOB_CONFIG_JSON_ENV_VAR", "a Ray job's driver"),  # Ray's job supervisor sets it for every job entrypoint
+)
+"""Variables that show this process runs where a private Ray would do a job's work off its cluster, with what they
+mean. KubeRay (v1.3 on) runs ``ray job submit --no-wait -- <entrypoint> ; ray job logs --follow`` in a shell of the
+submitter pod, so a command after ``&&`` or ``;`` in an entrypoint runs in that pod (1 CPU, 1 GiB by default)."""
+
+
+def _refuse_private_ray_in_a_job() -> None:
+    """Raise :class:`PrivateRayRefused` when the environment shows a KubeRay submitter or a Ray job (with no Ray
+    address given): pairmine would otherwise start a private Ray there without a word."""
+    for name, where in JOB_ENVIRONMENT:
+        if os.environ.get(name):
+            dashboard = os.environ.get("RAY_DASHBOARD_ADDRESS", "")
+            raise PrivateRayRefused(
+                f"no Ray address is set and this process runs in {where} (${name} is set): a private Ray here would "
+                f"do the job's work outside the cluster{f' (its dashboard: {dashboard})' if dashboard else ''}. A "
+                "command after `&&` or `;` in a RayJob entrypoint runs in the submitter pod, not on the cluster: give "
+                "it a RayJob of its own. To start a private Ray here on purpose: --ray-address local (ray.address=local)")
+
 
 def init_ray(address: str = "", num_cpus: int = 0) -> str:
     """Connect to the Ray cluster at ``address`` (else ``$RAY_ADDRESS``), or start a private local Ray.
 
     With no address, pairmine never joins a cluster that happens to run on the machine (a plain ``ray.init()``
-    attaches to the latest ``ray start`` cluster and dies with it): it starts its own (``address="local"``).
+    attaches to the latest ``ray start`` cluster and dies with it): it starts its own (``address="local"``), except
+    where the environment shows a KubeRay submitter pod or a Ray job (:data:`JOB_ENVIRONMENT`): there a private Ray
+    would do a job's work off the cluster without a word, so it is refused unless asked for (``address="local"``).
 
     Args:
         address: a Ray address (``host:port``, ``ray://...``, ``auto``); empty: ``$RAY_ADDRESS``, else local.
@@ -119,11 +142,16 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
         What was used, for the log and the manifest's ``resolved.ray``: ``"local (2 CPUs)"``,
         ``"cluster 10.0.0.5:6379 (3 node(s), 48 CPUs, 8 GPUs)"``, or ``"existing ..."`` when this process had
         already initialised Ray.
+
+    Raises:
+        PrivateRayRefused: no address (argument or ``$RAY_ADDRESS``) inside a KubeRay submitter or a Ray job.
     """
     import ray
 
     if ray.is_initialized():
         return f"existing {describe_cluster()}"
+    if not address and not os.environ.get("RAY_ADDRESS"):
+        _refuse_private_ray_in_a_job()
     address = address or os.environ.get("RAY_ADDRESS", "")
     env_vars = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
     if address and address != "local":
@@ -177,6 +205,11 @@ def describe_cluster() -> str:
 
 class PlanError(ValueError):
     """The stages cannot be placed on the Ray cluster as configured (the message says why and what to change)."""
+
+
+class PrivateRayRefused(PlanError):
+    """No Ray address, in a KubeRay submitter or a Ray job (:data:`JOB_ENVIRONMENT`): no private Ray is started
+    there unless asked for with ``ray.address = "local"``."""
 
 
 MAX_ACTORS_PER_CPU = 10  # beyond this, each actor's CPU share is too small to be worth having (refused)

@@ -119,3 +119,28 @@ def test_a_private_rays_first_task_and_actor_take_the_workers_it_started():
     offline, parallel, started, task_warm, actor_warm = out.stdout.split()
     assert (offline, parallel) == ("1", "false")  # the workers' variables still reach them
     assert int(started) >= 2 and task_warm == actor_warm == "True"
+
+
+@pytest.mark.parametrize("variable,value,where", [
+    ("RAY_JOB_SUBMISSION_ID", "pairmine-mine-7x2kq", "a KubeRay RayJob's submitter pod"),
+    ("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {}}', "a Ray job's driver"),
+])
+def test_no_private_ray_inside_a_kuberay_submitter_or_a_ray_job(variable, value, where, tiny_model_dir, sample_dir,
+                                                                tmp_path):
+    # The fault (ray-project/kuberay#3929, #3802): KubeRay runs `ray job submit --no-wait -- <entrypoint> ; ray job
+    # logs --follow` in the submitter pod's shell, so `pairmine mine ... && pairmine ...` ran the second command in
+    # that pod, where pairmine started a private 1-CPU Ray without a word.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
+        variable: value, "RAY_DASHBOARD_ADDRESS": "pairmine-head-svc.default.svc.cluster.local:8265"}
+    proc = subprocess.run([sys.executable, "-m", "pairmine.pipeline.cli", "mine", "--input",
+                           str(sample_dir / "000_00000.parquet"), "--output", str(tmp_path / "runs"), "--run-id", "x",
+                           "--set", f"embed.model={tiny_model_dir}"], env=env, capture_output=True, text=True,
+                          timeout=240)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert lines[-1].startswith(f"pairmine: error: no Ray address is set and this process runs in {where} "
+                                f"(${variable} is set)")
+    assert "--ray-address local" in lines[-1] and not (tmp_path / "runs" / "x").exists()
+    # Asked for, a private Ray starts there as anywhere else.
+    where, _ = _run(PROBE, "local", env_extra={variable: value})
+    assert where.startswith("local (")
