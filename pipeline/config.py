@@ -133,7 +133,9 @@ class StorageConfig:
 
 @dataclass
 class RayConfig:
-    address: str = _f("", 'empty: $RAY_ADDRESS if set, else start a private local Ray')
+    address: str = _f("", 'empty: $RAY_ADDRESS if set, else start a private local Ray (refused inside a KubeRay '
+                      'submitter pod or a Ray job, where $RAY_JOB_SUBMISSION_ID or Ray\'s job config is set); '
+                      '"local": a private local Ray in any case')
     num_cpus: int = _f(0, 'local Ray only; 0: all cores')
     docs_per_batch: int = _f(64, 'documents (filter-pairs and negatives: pairs) per batch through the CPU stages and '
                              'the embedder')
