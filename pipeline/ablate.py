@@ -44,7 +44,6 @@ log = logging.getLogger("pairmine")
 
 ARMS = ("start", "xprt", "random", "crop")
 REGIMES = ("scratch", "continue")
-POSITIVES_OF = {"xprt": "xprt", "random": "random", "crop": "crop"}
 
 # The proxies' settings per regime, before --config/--set (which override them). Sized on these 2 cores: a
 # 4-layer, 256-wide BERT at 64 pairs x 128 tokens trains at ~1.5 s a step with L_xp alone (bench: README).
@@ -315,7 +314,7 @@ def ablate(groups: str, beirs: list[str], sts: str | None, output: str, arms: li
         log.info("ablate: %s seed %d (%d/%d)%s", arm, seed, k, len(units), eta)
         u0 = time.time()
         cfg = load_train_config(config, [*train_over, f"train.seed={seed}",
-                                         f"train.positives={POSITIVES_OF.get(arm, 'xprt')}"])
+                                         f"train.positives={'xprt' if arm == 'start' else arm}"])
         steps = pairs = 0
         if arm == "start":
             if regime == "scratch":
@@ -357,15 +356,11 @@ def ablate(groups: str, beirs: list[str], sts: str | None, output: str, arms: li
                 if b not in arms or b == arm:
                     continue
                 comps, _ = compare_results(per_query[b][s], per_query[arm][s], ["ndcg@10", "recall@100"])
-                for c in comps:
-                    p_values.setdefault(arm, {}).setdefault(s, {}).setdefault(b, {})
-                    if c.metric == "ndcg@10":
-                        p_values[arm][s][b] = {"mean_diff": round(c.mean_diff, 6), "p_value": round(c.p_value, 6),
-                                               "ci": [round(c.ci_low, 6), round(c.ci_high, 6)], "n": c.n,
-                                               "recall@100": None}
-                    else:
-                        p_values[arm][s][b]["recall@100"] = {"mean_diff": round(c.mean_diff, 6),
-                                                             "p_value": round(c.p_value, 6)}
+                ndcg, recall = comps  # in the order asked for
+                p_values.setdefault(arm, {}).setdefault(s, {})[b] = {
+                    "mean_diff": round(ndcg.mean_diff, 6), "p_value": round(ndcg.p_value, 6),
+                    "ci": [round(ndcg.ci_low, 6), round(ndcg.ci_high, 6)], "n": ndcg.n,
+                    "recall@100": {"mean_diff": round(recall.mean_diff, 6), "p_value": round(recall.p_value, 6)}}
     trained_units = [r for arm in arms for r in results[arm].values() if r["steps"]]
     summary = {
         "format": "pairmine-ablation/1",

@@ -160,8 +160,11 @@ class XPRTModel(nn.Module):
     def __init__(self, encoder: nn.Module, head: nn.Module | None, n_cond: int = 4, terms=TERMS,
                  head_rows: int = 8192, checkpoint_decoder: bool = False):
         super().__init__()
+        unknown = set(terms) - set(TERMS)
+        if unknown:
+            raise ValueError(f"XPRTModel: unknown terms {sorted(unknown)} (known: {', '.join(TERMS)})")
         terms = tuple(t for t in TERMS if t in set(terms))
-        if set(terms) - set(TERMS) or (terms and head is None):
+        if terms and head is None:
             raise ValueError(f"XPRTModel: terms {terms} need an MLM head")
         cfg = encoder.config
         dim = int(cfg.hidden_size)

@@ -409,7 +409,6 @@ def test_crop_pairs_are_two_spans_of_passage_length_from_the_same_document():
     for a, p in zip(out.column("anchor_text").to_pylist(), out.column("positive_text").to_pylist()):
         for span in (a, p):
             assert len(span.split()) in lengths and f" {span} " in joined  # a contiguous run of the document
-        assert a not in doc or p not in doc or a != p
     assert draw_random_positives(rows, seed=0, mode="crop").equals(out)  # seeded per group
     assert not draw_random_positives(rows, seed=1, mode="crop").equals(out)
     # over many draws: every passage length occurs, and spans start anywhere (not only at passage starts)
