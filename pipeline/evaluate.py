@@ -496,8 +496,29 @@ class EvalResult:
     summary: dict
 
 
+def drop_identical_ids(run: dict[str, dict[str, float]], k: int = TOP_K) -> tuple[dict[str, dict[str, float]], int]:
+    """BEIR's ``ignore_identical_ids``: remove from each query's hits the document whose id is the query's own id
+    (ArguAna: a query argument is also in the corpus), then keep the ``k`` best of what is left.
+
+    Args:
+        run: {query id: {doc id: score}}, retrieved with at least ``k + 1`` hits per query so that ``k`` remain.
+        k: hits kept per query.
+
+    Returns:
+        (the run, the number of queries whose own id was among their hits and was removed). Same convention as BEIR's
+        ``EvaluateRetrieval.evaluate(..., ignore_identical_ids=True)`` and MTEB's retrieval tasks.
+    """
+    out, dropped = {}, 0
+    for q, hits in run.items():
+        if q in hits:
+            dropped += 1
+        kept = sorted(((s, d) for d, s in hits.items() if d != q), key=lambda x: (-x[0], x[1]))[:k]
+        out[q] = {d: s for s, d in kept}
+    return out, dropped
+
+
 def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str = "", split: str = "test",
-             scoring: str = "dense", k_prime: int = K_PRIME) -> EvalResult:
+             scoring: str = "dense", k_prime: int = K_PRIME, ignore_identical_ids: bool = True) -> EvalResult:
     """Evaluate the encoder of ``cfg.embed`` on a BEIR folder and/or an STS file; write summary.json and
     per_query.json (retrieval only) to ``output``.
 
@@ -512,6 +533,9 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
             scoring from the retrieved tokens, :func:`xtr_search`) or "sum-of-max" (token vectors, ColBERT's exact
             score over every token, :func:`sum_of_max_search`). STS always uses the pooled vectors.
         k_prime: tokens retrieved per query token with ``scoring="xtr"``.
+        ignore_identical_ids: a document whose id equals the query's id is never retrieved or counted (BEIR's and
+            MTEB's convention, needed on ArguAna; no effect where query and corpus ids are disjoint). The number of
+            queries it changed is ``summary["retrieval"]["identical_ids_removed"]``.
 
     Returns:
         :class:`EvalResult`. ``summary["retrieval"]["mean"]`` holds the mean nDCG@10, Recall@100, MRR@10 over the
@@ -560,15 +584,24 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
         q_vecs = encode(data.query_texts, prefix=qprefix)  # (n_queries, dim), or one (n_i, dim) per query
         t_queries = time.time() - t0 - t_docs
         search = f"exact, fp32 inner product of unit vectors, top {TOP_K}"
+        # One more hit than kept when a query's own id may be in the corpus, so that TOP_K remain after dropping it.
+        shared = ignore_identical_ids and not set(data.query_ids).isdisjoint(data.corpus_ids)
+        depth = TOP_K + 1 if shared else TOP_K
         if scoring == "dense":
-            scores, idx = exact_search(q_vecs, doc_vecs, TOP_K)  # (n_queries, k)
+            scores, idx = exact_search(q_vecs, doc_vecs, depth)  # (n_queries, depth)
         elif scoring == "sum-of-max":
-            scores, idx = sum_of_max_search(q_vecs, doc_vecs, TOP_K)
+            scores, idx = sum_of_max_search(q_vecs, doc_vecs, depth)
             search = f"exact late interaction (ColBERT sum-of-max / query tokens) over every token, top {TOP_K}"
         else:
-            scores, idx, search = xtr_search(q_vecs, doc_vecs, k_prime, TOP_K)
+            scores, idx, search = xtr_search(q_vecs, doc_vecs, k_prime, depth)
             search += f", top {TOP_K}"
-        run = {q: {data.corpus_ids[j]: float(s) for j, s in zip(idx[i], scores[i])} for i, q in enumerate(data.query_ids)}
+        run = {q: {data.corpus_ids[j]: float(s) for j, s in zip(idx[i], scores[i])}
+               for i, q in enumerate(data.query_ids)}
+        identical = 0
+        if shared:
+            run, identical = drop_identical_ids(run, TOP_K)
+            log.info("ignore_identical_ids: %d of %d queries had their own id among their hits (removed)", identical,
+                     len(run))
         token_lists = scoring != "dense"  # encode_tokens' arrays: their lengths say which texts have none
         no_tokens = {
             "documents": without_word_tokens(embedder, data.corpus_ids, data.corpus_texts, pprefix,
@@ -595,6 +628,8 @@ def evaluate(cfg, beir: str | None = None, sts: str | None = None, output: str =
             "mrr_note": "trec_eval recip_rank on the run cut to its top 10 (trec_eval -M 10)",
             "scoring": scoring,
             "search": search,
+            "ignore_identical_ids": bool(ignore_identical_ids),
+            "identical_ids_removed": identical,
             "skipped": data.skips.as_dict(),
             "without_word_tokens": no_tokens,
             "fingerprint": {"qrels_sha256": _sha256(join(root, "qrels", f"{split}.tsv"), storage),

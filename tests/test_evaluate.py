@@ -265,3 +265,31 @@ def test_texts_without_token_vectors_keep_every_other_document_id_in_every_scori
         assert counted["queries"] == {"count": 1, "examples": ["q2"]} and counted["rule"]
         if scoring != "dense":
             assert per_query["q2"] == {"ndcg@10": 0.0, "recall@100": 0.0, "mrr@10": 0.0}
+
+
+def test_ignore_identical_ids_drops_the_query_own_document_as_beir_does(tiny_model_dir, tmp_path):
+    """ArguAna (shared/data/README.md): 1,298 query ids are also corpus ids, the query's own argument. BEIR and MTEB
+    evaluate with ignore_identical_ids: that document is never retrieved or counted. By hand on a run, then end to end:
+    the query's own text ranks first (cosine 1), so dropping it moves the relevant document up exactly one rank."""
+    from pairmine.pipeline.evaluate import drop_identical_ids
+
+    run = {"a": {"a": 0.9, "b": 0.8, "c": 0.7}, "x": {"b": 0.5, "c": 0.6}}
+    assert drop_identical_ids(run, k=2) == ({"a": {"b": 0.8, "c": 0.7}, "x": {"c": 0.6, "b": 0.5}}, 1)
+
+    texts = [f"argument number {i} about topic {i % 3} and item {i % 7}" for i in range(30)]
+    texts[11] = texts[4] + " indeed"  # the counter-argument: near the query, so within its top 10
+    corpus = [json.dumps({"_id": f"d{i}", "text": t}) for i, t in enumerate(texts)]
+    root = write_beir(tmp_path / "b", corpus, [json.dumps({"_id": "d4", "text": texts[4]}),
+                                               json.dumps({"_id": "q9", "text": texts[9]})], "d4\td11\t1\nq9\td9\t1\n")
+    cfg = load_config(overrides=[f"embed.model={tiny_model_dir}", "embed.dtype=float32", "embed.batch_size=4"])
+    kept = evaluate(cfg, str(root), output=str(tmp_path / "keep"), ignore_identical_ids=False)
+    dropped = evaluate(cfg, str(root), output=str(tmp_path / "drop"))
+    assert kept.summary["retrieval"]["identical_ids_removed"] == 0
+    assert dropped.summary["retrieval"]["identical_ids_removed"] == 1  # d4 only: q9 is no corpus id
+    assert dropped.summary["retrieval"]["ignore_identical_ids"] is True
+    keep_q = json.loads((tmp_path / "keep" / "per_query.json").read_text())["queries"]
+    drop_q = json.loads((tmp_path / "drop" / "per_query.json").read_text())["queries"]
+    rank = round(1 / keep_q["d4"]["mrr@10"])  # d11's rank, behind the query's own document
+    assert 2 <= rank <= 10 and keep_q["d4"]["ndcg@10"] == pytest.approx(1 / math.log2(rank + 1), abs=1e-6)
+    assert drop_q["d4"]["ndcg@10"] == pytest.approx(1 / math.log2(rank), abs=1e-6)  # one rank up
+    assert drop_q["q9"] == keep_q["q9"] and drop_q["q9"]["ndcg@10"] == pytest.approx(1.0)  # its own text is d9
