@@ -1185,6 +1185,68 @@ def storage_args(output: str, storage=None) -> dict:
     return {"storage_path": output[len("s3://"):], "storage_filesystem": fs}
 
 
+# Keys that do not change what a training run computes (where it runs, how often it saves, how memory is bounded:
+# chunking and recomputation give the same losses and gradients): a resumed run may change them.
+_NOT_PLAN_SECTIONS = {"ray", "storage", "scaling", "checkpoint"}
+_NOT_PLAN_FIELDS = {("train", "gradient_checkpointing"), ("train", "trust_remote_code"), ("loss", "head_chunk_mb"),
+                    ("loss", "xtr_chunk_mb")}
+
+
+def train_plan(cfg: TrainConfig, run_dir: str, n_groups: int, objective: str, workers: int) -> dict:
+    """What decides a training run's output, recorded in ``train_manifest.json`` as ``plan`` and compared on a
+    re-run with the same ``--output`` (:func:`check_train_resume`): the groups (or negatives) run and its group count,
+    the objective, the number of workers (it sets each worker's share of the batch, the data split and the batch
+    digests) and every config key but those of :data:`_NOT_PLAN_SECTIONS` / :data:`_NOT_PLAN_FIELDS` (``distill``
+    only for a negatives run). Returns a JSON-able dict."""
+    config = {sec: {k: v for k, v in vals.items() if (sec, k) not in _NOT_PLAN_FIELDS}
+              for sec, vals in cfg.to_dict().items()
+              if sec not in _NOT_PLAN_SECTIONS and (sec != "distill" or objective == "negatives")}
+    return {"format": "pairmine-train-plan/1", "groups_run": run_dir.rstrip("/"), "groups": n_groups,
+            "objective": objective, "workers": workers, "config": config}
+
+
+def check_train_resume(storage, output: str, plan: dict, checkpoint_name: str) -> bool:
+    """Refuse to resume a training run with other settings (issue 39 item 2; ray-project/ray#35812: Ray Train loads
+    whatever checkpoint the folder holds). An ``output`` holding a checkpoint under ``checkpoint_name`` or an
+    ``export/`` is an earlier attempt; its ``train_manifest.json``'s plan must equal ``plan`` (:func:`train_plan`).
+
+    Returns:
+        True when there is an earlier attempt to resume (its plan matches), False for a fresh output. A folder of an
+        older pairmine whose manifest has no plan is resumed as before (logged).
+
+    Raises:
+        ConfigError: one line naming every differing key with its value then and now, and what to do.
+    """
+    root = output.rstrip("/")
+    ckpt_root = f"{root}/{checkpoint_name}"
+    has_ckpt = any(p.rstrip("/").rsplit("/", 1)[-1].startswith("checkpoint_")
+                   for p in (storage.ls(ckpt_root) if storage.info(ckpt_root) else []))
+    if not has_ckpt and not storage.info(f"{root}/export"):
+        return False
+    try:
+        old = json.loads(storage.read_bytes(f"{root}/train_manifest.json")).get("plan")
+    except (OSError, ValueError):
+        old = None
+    if old is None:
+        log.warning("--output %s holds checkpoints or an export but no training plan (an older pairmine, or a "
+                    "manifest lost): resuming without checking the settings", output)
+        return True
+    diffs = []
+    for key in ("groups_run", "groups", "objective", "workers"):
+        if old.get(key) != plan[key]:
+            diffs.append(f"{key} ({old.get(key)!r} then, {plan[key]!r} now)")
+    for sec, vals in plan["config"].items():
+        for k, v in vals.items():
+            then = (old.get("config") or {}).get(sec, {}).get(k)
+            if then != v:
+                diffs.append(f"{sec}.{k} ({then!r} then, {v!r} now)")
+    if diffs:
+        shown = ", ".join(diffs[:6]) + (f" and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        raise ConfigError(f"--output {output} holds a training run made with other settings: {shown}; resume it with "
+                          "the same ones, or use another --output (or remove this one to start again)")
+    return True
+
+
 def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> TrainResult:
     """Run the training job with a validated config.
 
@@ -1256,6 +1318,9 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
     if cfg.train.batch_size % workers:
         raise ConfigError(f"train.batch_size = {cfg.train.batch_size} must divide by the {workers} workers "
                           "(scaling.num_workers)")
+    plan_now = train_plan(cfg, run_dir, n_groups, "negatives" if negatives else cfg.train.objective, workers)
+    if check_train_resume(storage, output, plan_now, cfg.checkpoint.name):
+        log.info("%s holds an earlier attempt of this training run (the same plan): resuming it", output)
     total = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * per_epoch
     what = (f"1 positive + {n_related} hard negatives each, objective InfoNCE{' + KL' if teacher else ''}"
             if negatives else f"{n_related} related passages each, positives {cfg.train.positives}, objective "
@@ -1299,6 +1364,7 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
     manifest = {
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "config": cfg.to_dict(),
+        "plan": plan_now,
         "groups": {"path": groups, "run": run_dir, "parts": len(parts), "groups": n_groups, "related": n_related,
                    "groups_per_epoch_trained": trained_per_epoch, "groups_per_epoch_left_out": left_per_epoch},
         "objective": "negatives" if negatives else cfg.train.objective,

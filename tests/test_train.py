@@ -206,6 +206,53 @@ def test_killed_run_resumes_from_its_checkpoint(killed_and_resumed):
     assert marker == {"step": STEPS, "epoch": 0, "state_bytes": (run / ckpts[-1] / STATE_FILE).stat().st_size}
 
 
+def test_a_rerun_with_other_settings_is_refused_in_one_line(killed_and_resumed, tiny_groups, tiny_model_dir):
+    """Issue 39 item 2 (ray-project/ray#35812): the finished run's --output again, with another batch size and model:
+    before, Ray Train loaded the old checkpoint and exported the old weights under the new manifest. Now one error
+    line names each differing key with both values, and nothing in the folder changes."""
+    out = killed_and_resumed[0]
+    manifest = (out / "train_manifest.json").read_text()
+    cmd = _cli("train", "--groups", str(tiny_groups), "--output", str(out), "--model", tiny_model_dir, *TRAIN_ARGS,
+               "--set", "train.batch_size=4")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("pairmine: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr
+    assert f"--output {out} holds a training run made with other settings" in errors[0]
+    assert "train.batch_size (8 then, 4 now)" in errors[0] and "train.model (" in errors[0]
+    assert (out / "train_manifest.json").read_text() == manifest
+
+
+def test_train_plan_names_what_differs_and_lets_the_rest_change(tmp_path):
+    """What a resumed training run may change (where it runs, how often it saves, how memory is bounded) and may not
+    (the groups, objective, workers, every other key), by hand on the plan check."""
+    from pairmine.operators.storage import LOCAL
+    from pairmine.pipeline.train import check_train_resume, train_plan
+
+    def plan(*over, workers=2, run="/runs/a", groups=100):
+        return train_plan(load_train_config(None, list(over)), run, groups, "xprt", workers)
+
+    out = tmp_path / "t"
+    assert check_train_resume(LOCAL, str(out), plan(), "ray-train") is False  # nothing there: a fresh run
+    (out / "export").mkdir(parents=True)
+    (out / "train_manifest.json").write_text(json.dumps({"plan": plan()}))
+    assert check_train_resume(LOCAL, str(out), plan(), "ray-train") is True
+    same = plan("checkpoint.every_steps=7", "scaling.device=cpu", "loss.head_chunk_mb=64", "ray.num_cpus=1",
+                "train.gradient_checkpointing=false")
+    assert check_train_resume(LOCAL, str(out), same, "ray-train") is True
+    for new, named in [(plan(workers=4), "workers (2 then, 4 now)"),
+                       (plan(run="/runs/b"), "groups_run ('/runs/a' then, '/runs/b' now)"),
+                       (plan("loss.tau=0.1"), "loss.tau (0.05 then, 0.1 now)"),
+                       (plan("train.max_steps=5", "train.positives=random"),
+                        "train.positives ('xprt' then, 'random' now), train.max_steps (-1 then, 5 now)")]:
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            check_train_resume(LOCAL, str(out), new, "ray-train")
+    (out / "export").rmdir()  # a checkpoint alone is an earlier attempt too
+    (out / "ray-train" / checkpoint_dir_name(3)).mkdir(parents=True)
+    with pytest.raises(ConfigError, match="loss.tau"):
+        check_train_resume(LOCAL, str(out), plan("loss.tau=0.1"), "ray-train")
+
+
 def test_checkpoints_keep_the_trainable_tensors_only():
     """A frozen layer's weights are left out of a checkpoint's model state (the base model gives them again on
     resume) and the trainable ones come back; a state missing a trainable tensor or holding another model's keys
