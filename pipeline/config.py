@@ -493,6 +493,35 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     return apply_file_and_overrides(MineConfig(), path, overrides).validate(sections)
 
 
+def _read_config_text(cfg: Sections, path: str, overrides: typing.Iterable[str]) -> str:
+    """The text of a ``--config`` file: a local path, or an ``s3://`` object (how a config reaches the head of a
+    cluster without a working_dir upload). An ``s3://`` file is read with the ``storage.*`` keys of ``overrides``
+    (e.g. ``--set storage.endpoint_url=...``) over the defaults, which take the endpoint, region and credentials from
+    the environment (``AWS_ENDPOINT_URL_S3``, ``AWS_PROFILE``, ...) as every other s3:// path does.
+
+    Raises:
+        FileNotFoundError: no such file or object. ConfigError: the object store cannot be read (its message)."""
+    if "://" not in path:
+        return Path(path).read_text()
+    import copy
+
+    from pairmine.operators.storage import StorageError
+
+    probe = copy.deepcopy(cfg)
+    if not hasattr(probe, "storage"):
+        raise ConfigError(f"config file {path}: this command reads its config from a local file only")
+    for item in overrides:
+        if item.strip().startswith("storage.") and "=" in item:
+            key, value = item.split("=", 1)
+            probe.set(key.strip(), value)
+    try:
+        return storage_of(probe.storage).read_bytes(path).decode("utf-8")
+    except StorageError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+
+
 def apply_file_and_overrides(cfg: Sections, path: str | Path | None, overrides: typing.Iterable[str]) -> Sections:
     """Apply an optional TOML file, then ``key=value`` overrides, to ``cfg`` (not yet validated).
 
@@ -501,7 +530,7 @@ def apply_file_and_overrides(cfg: Sections, path: str | Path | None, overrides: 
     """
     if path:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            data = tomllib.loads(_read_config_text(cfg, str(path), overrides))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:

@@ -157,3 +157,25 @@ def test_the_cli_puts_back_the_callers_sigterm_handler_and_names_unknown_folders
         "mine run")
     assert wrong_kind("out/n", "negatives", "mine") == "out/n is a pairmine negatives run (it holds negatives/), " \
         "not a mine run"
+
+
+def test_config_file_read_from_s3_with_the_storage_keys_of_the_overrides(s3_server):
+    """Issue 39 item 6: a --config reaches a cluster's head without a working_dir upload when it is an s3:// object;
+    it is read with the --set storage.* keys (or the environment's endpoint), and a missing object is one error."""
+    import uuid
+
+    from pairmine.operators.storage import Storage
+    from pairmine.pipeline.train_config import load_train_config
+
+    root = f"s3://pairmine-test/config-{uuid.uuid4().hex[:8]}"
+    store = Storage(endpoint_url=s3_server.endpoint)
+    store.write_bytes(f"{root}/mine.toml", b"[anchors]\nthreshold = 0.61\n")
+    store.write_bytes(f"{root}/train.toml", b"[train]\nbatch_size = 32\n")
+    endpoint = f"storage.endpoint_url={s3_server.endpoint}"
+    assert load_config(f"{root}/mine.toml", [endpoint]).anchors.threshold == 0.61
+    assert load_config(f"{root}/mine.toml", [endpoint, "anchors.threshold=0.7"]).anchors.threshold == 0.7  # --set wins
+    assert load_train_config(f"{root}/train.toml", [endpoint]).train.batch_size == 32
+    with pytest.raises(ConfigError, match=rf"config file {root}/missing.toml does not exist"):
+        load_train_config(f"{root}/missing.toml", [endpoint])
+    with pytest.raises(ConfigError, match="unknown config section 'anchors'"):
+        load_train_config(f"{root}/mine.toml", [endpoint])  # read, then checked as a local file is

@@ -406,3 +406,27 @@ def test_dockerignore_sends_what_the_images_copy_and_nothing_else():
     for path in [".venv/bin/python", ".git/HEAD", "tests/test_deploy.py", "runs/x/_SUCCESS",
                  "pipeline/__pycache__/cli.cpython-311.pyc", "benchmarks/bench_memory.py"]:
         assert not _sent_to_builder(path, rules), path
+
+
+def test_ray_working_dir_upload_skips_every_folder_the_examples_write():
+    """Issue 39 item 6 (ray-project/ray#45602, #55877): `ray job submit --working-dir .` from a checkout that ran the
+    README's examples uploads what they wrote, and Ray refuses an upload over 100 MiB without naming what is large.
+    Every relative --output of the README, the docs and the CLI's examples is excluded by Ray's own reading of
+    .gitignore (the function its working_dir packaging calls), and the code is not."""
+    from ray._private.runtime_env.packaging import get_excludes_from_ignore_files
+
+    texts = [ROOT / "README.md", ROOT / "deploy" / "README.md", ROOT / "pipeline" / "cli.py",
+             *sorted((ROOT / "docs").glob("*.md"))]
+    outputs = set()
+    for path in texts:
+        # a folder (with a slash) or a file (.json) after --output: "--output runs/", "--output cmp.json"
+        for found in re.findall(r"--output\s+([A-Za-z0-9_.-]+/[A-Za-z0-9_./-]*|[A-Za-z0-9_-]+\.json\b)",
+                                path.read_text()):
+            if found.split("/")[0] not in ("DIR", "OUT", "PATH", "FILE", "s3:") and not found.startswith(".."):
+                outputs.add(found.rstrip("/.") or found)
+    assert {"runs", "train/xprt", "evals/minilm", "negatives", "abl/quick"} <= outputs, sorted(outputs)
+    excludes = get_excludes_from_ignore_files(ROOT, include_gitignore=True)
+    skipped = lambda p: any(f(ROOT / p) for f in excludes)  # noqa: E731
+    assert not [o for o in sorted(outputs) if not skipped(f"{o}/part-00000.parquet")]
+    for kept in ["pipeline/cli.py", "operators/embed.py", "deploy/submit.sh", "pyproject.toml"]:
+        assert not skipped(kept), kept
