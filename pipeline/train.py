@@ -1185,6 +1185,54 @@ def storage_args(output: str, storage=None) -> dict:
     return {"storage_path": output[len("s3://"):], "storage_filesystem": fs}
 
 
+class TrainingMemoryError(ConfigError):
+    """Ray's memory monitor killed a process of the training run (a worker, the controller or a data task): the
+    settings ask for more memory than the node has. User-fixable (the message names the keys that lower it); the CLI
+    prints it as one ``pairmine: error:`` line."""
+
+
+def out_of_memory_message(e: BaseException, cfg: TrainConfig) -> str | None:
+    """The one-line message for an error of ``trainer.fit()`` caused by an out-of-memory kill, or None.
+
+    Ray reports the kill as ``ray.exceptions.OutOfMemoryError`` ("... killed due to the node running low on memory.
+    Memory on the node ... was X used / Y limit ...", the memory monitor's multi-page report); Ray Train wraps a
+    worker's in its own error (``cause``, ``__cause__``, ``controller_failure`` or ``WorkerGroupError``'s
+    ``worker_failures``, a mapping of rank to error). The chain
+    is searched for that class or that text; the message keeps the node's figures and the killed task's name and
+    says which keys lower the memory, and which of them a resume on the same ``--output`` accepts
+    (:func:`check_train_resume`)."""
+    import re
+
+    from ray.exceptions import OutOfMemoryError
+
+    seen: set[int] = set()
+    stack, hit = [e], None
+    while stack and hit is None:
+        err = stack.pop()
+        if not isinstance(err, BaseException) or id(err) in seen:
+            continue
+        seen.add(id(err))
+        text = str(err)
+        if isinstance(err, OutOfMemoryError) or "running low on memory" in text or "memory monitor" in text:
+            hit = text
+        failures = getattr(err, "worker_failures", None)
+        stack += [getattr(err, "cause", None), getattr(err, "controller_failure", None), err.__cause__,
+                  err.__context__, *(failures.values() if isinstance(failures, dict) else [])]
+    if hit is None:
+        return None
+    node = re.search(r"was ([\d.]+\s*[KMGT]?B) used / ([\d.]+\s*[KMGT]?B) limit", hit)
+    task = re.search(r"task name=([^,]+)", hit)
+    t = cfg.train
+    return (f"training ran out of memory: Ray's memory monitor killed "
+            f"{task.group(1) if task else 'a process of the run'}"
+            f"{f' (node memory {node.group(1)} used of {node.group(2)})' if node else ''}; lower train.batch_size "
+            f"(now {t.batch_size}) or train.max_length (now {t.max_length}), or loss.head_chunk_mb (now "
+            f"{cfg.loss.head_chunk_mb:g}){'' if t.gradient_checkpointing else ', set train.gradient_checkpointing=true'}"
+            ", or run fewer workers per node (scaling.*); the same --output "
+            "resumes after a change of loss.head_chunk_mb, train.gradient_checkpointing or scaling.* only, another "
+            "batch size or length needs a new --output")
+
+
 # Keys that do not change what a training run computes (where it runs, how often it saves, how memory is bounded:
 # chunking and recomputation give the same losses and gradients): a resumed run may change them.
 _NOT_PLAN_SECTIONS = {"ray", "storage", "scaling", "checkpoint"}
@@ -1404,7 +1452,13 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
         datasets={"train": ds},
         dataset_config=DataConfig(execution_options=ingest),
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except Exception as e:  # noqa: BLE001 - an out-of-memory kill becomes one line; everything else as it was
+        memory = out_of_memory_message(e, cfg)
+        if memory is None:
+            raise
+        raise TrainingMemoryError(memory) from None
     if plan.resume_from and plan.resume_step < total:  # the run has saved newer checkpoints, which Ray Train keeps
         log.info("removing checkpoint %s (step %d), which the run resumed from: Ray Train never registered it",
                  plan.resume_from, plan.resume_step)

@@ -253,6 +253,47 @@ def test_train_plan_names_what_differs_and_lets_the_rest_change(tmp_path):
         check_train_resume(LOCAL, str(out), plan("loss.tau=0.1"), "ray-train")
 
 
+def test_an_out_of_memory_kill_ends_training_with_one_error_line(tiny_groups, tiny_model_dir, tmp_path):
+    """Issue 40 item 1: Ray's memory monitor killing a process of the run used to end it with Ray's multi-page report
+    and a traceback. A real local Ray whose kill threshold is below what the node uses (RAY_memory_usage_threshold)
+    kills the run's first process; the user sees one line naming memory, the node's figures and the keys."""
+    env = dict(os.environ, RAY_memory_usage_threshold="0.02", RAY_memory_monitor_refresh_ms="100")
+    out = tmp_path / "oom"
+    cmd = _cli("train", "--groups", str(tiny_groups), "--output", str(out), "--model", tiny_model_dir, *TRAIN_ARGS,
+               "--set", "train.gradient_checkpointing=false")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Top 10 memory users" not in proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("pairmine: error:")]
+    assert len(errors) == 1 and errors[0].startswith("pairmine: error: training ran out of memory: Ray's memory "
+                                                     "monitor killed ")
+    assert re.search(r"\(node memory [\d.]+GB used of [\d.]+GB\)", errors[0])
+    for key in ("train.batch_size (now 8)", "train.max_length (now 64)", "loss.head_chunk_mb (now 256)",
+                "set train.gradient_checkpointing=true", "needs a new --output"):
+        assert key in errors[0], key
+
+
+def test_out_of_memory_is_found_inside_ray_trains_worker_errors():
+    """A worker's kill arrives inside Ray Train's WorkerGroupError (rank -> error) or ControllerError; any other
+    failure is left as it is (None)."""
+    from ray.exceptions import OutOfMemoryError
+    from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+
+    from pairmine.pipeline.train import out_of_memory_message
+
+    cfg = load_train_config(None, ["train.batch_size=16"])
+    oom = OutOfMemoryError("1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: "
+                           "10.0.0.2, ID: ab) was 22.40GB used / 23.54GB limit (0.95)\nSelected to kill: (Task: task "
+                           "name=RayTrainWorker.__init__, pid=7)")
+    for wrapped in (WorkerGroupError("rank 1 failed", {0: RuntimeError("peer gone"), 1: oom}), ControllerError(oom)):
+        message = out_of_memory_message(wrapped, cfg)
+        assert message.startswith("training ran out of memory: Ray's memory monitor killed RayTrainWorker.__init__ "
+                                  "(node memory 22.40GB used of 23.54GB); lower train.batch_size (now 16)")
+        assert "set train.gradient_checkpointing" not in message  # already on (the default)
+    assert out_of_memory_message(WorkerGroupError("x", {0: RuntimeError("peer gone")}), cfg) is None
+    assert out_of_memory_message(ValueError("bad"), cfg) is None
+
+
 def test_checkpoints_keep_the_trainable_tensors_only():
     """A frozen layer's weights are left out of a checkpoint's model state (the base model gives them again on
     resume) and the trainable ones come back; a state missing a trainable tensor or holding another model's keys
