@@ -313,7 +313,60 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_ablate_parser(sub)
     add_eval_commands(sub)
+    _add_export_parser(sub)
     return parser
+
+
+EXPORT_EPILOG = """\
+Columns (the order sentence-transformers' MultipleNegativesRankingLoss reads: anchor, positive, negatives):
+  mine run          anchor = anchor_text, positive = related_texts[0] (s1, the top related passage)
+  filter-pairs run  anchor = query, positive = passage
+  negatives run     anchor = query, positive = positive, negative_1..negative_N (N: --negatives, default the
+                    run's negatives.count; rows with fewer are skipped and counted)
+
+Formats: sentence-transformers (parquet, every column), pairs (parquet, anchor and positive), jsonl (the same columns
+as sentence-transformers, one JSON object per line). OUT gets one part per run part, a dataset card (README.md) and
+export_manifest.json (rows written, rows skipped by reason); the parts go to OUT/data/.
+
+Examples:
+  pairmine export runs/sample --format sentence-transformers st/sample
+  pairmine export negatives/<run_id> --format jsonl st/negatives
+  then: datasets.load_dataset("st/sample")["train"] -> SentenceTransformerTrainer(train_dataset=..., loss=
+        MultipleNegativesRankingLoss(model))
+"""
+
+
+def _add_export_parser(sub) -> None:
+    x = sub.add_parser(
+        "export", help="write a run's rows as (anchor, positive, negative_i) columns any trainer loads",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXPORT_EPILOG,
+        description="Write the rows of a committed mine, filter-pairs or negatives run as the columns that "
+        "sentence-transformers' SentenceTransformerTrainer with MultipleNegativesRankingLoss trains on directly. "
+        "Local or s3://.")
+    x.add_argument("run", metavar="RUN", help="a committed pairmine mine, filter-pairs or negatives run folder")
+    x.add_argument("output", metavar="OUT", help="folder for the export (created; refused if it holds an export)")
+    x.add_argument("--format", default="sentence-transformers", choices=("sentence-transformers", "pairs", "jsonl"),
+                   help="output format (default: sentence-transformers)")
+    x.add_argument("--negatives", type=int, metavar="N", help="negatives run: negative columns per row (default: "
+                   "the run's negatives.count; 0: none)")
+    x.add_argument("--config", metavar="FILE", help="TOML file; its [storage] table reaches s3:// runs and outputs")
+    x.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a config key, e.g. --set storage.endpoint_url=http://127.0.0.1:8333")
+
+
+def cmd_export(args) -> int:
+    from pairmine.pipeline.export import export
+
+    storage = _load(args, command="export").storage_layer()
+    if args.negatives is not None and args.negatives < 0:
+        from pairmine.pipeline.config import ConfigError
+
+        raise ConfigError(f"--negatives {args.negatives}: must be >= 0")
+    res = export(args.run, args.format, args.output, storage, args.negatives)
+    skipped = ", ".join(f"{k} {v}" for k, v in res["skipped"].items()) or "none"
+    print(f"export: {res['rows']} rows of {res['kind']} run {res['source']} -> {args.output} ({args.format}; "
+          f"columns {', '.join(res['columns'])}; skipped: {skipped})")
+    return 0
 
 
 NEGATIVES_EPILOG = """\
@@ -834,6 +887,8 @@ def _run(parser, args) -> int:
             return cmd_train(args)
         if args.command == "ablate":
             return cmd_ablate(args)
+        if args.command == "export":
+            return cmd_export(args)
         if args.command in EVAL_COMMANDS:
             return EVAL_COMMANDS[args.command](args)
     except KeyboardInterrupt:

@@ -384,6 +384,7 @@ COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
     "eval": ("embed", "storage", "ray"),
     "report": ("storage",),
     "compare": ("storage",),
+    "export": ("storage",),
 }
 
 

@@ -438,7 +438,8 @@ class RunFolder:
 
     def finalize(self, stats: dict, manifest: dict, latest: dict | None = None) -> None:
         """Commit the run: stats.json and manifest.json, staging and state removed (with temporary files of
-        writes cut short by a kill), the ``_SUCCESS`` marker last; then ``latest`` (when given) as the
+        writes cut short by a kill), the run's dataset card ``README.md`` (:func:`pipeline.export.write_run_card`), the
+        ``_SUCCESS`` marker last; then ``latest`` (when given) as the
         ``_latest.json`` pointer beside the runs.
 
         Raises:
@@ -452,6 +453,10 @@ class RunFolder:
             for path in self.storage.ls(f"{self.dir}/{folder}") if folder else []:
                 if path.rsplit("/", 1)[-1].startswith(".") and ".tmp-" in path:
                     self.storage.rm(path)
+        if self.parts.folder and self.parts.schema is not None:  # a dataset card: datasets.load_dataset reads it
+            from pairmine.pipeline.export import write_run_card
+
+            write_run_card(self.storage, self.dir, self.parts.folder, self.parts.schema, self.run_id)
         self.storage.write_bytes(f"{self.dir}/{SUCCESS_MARKER}", (self.run_id + "\n").encode())
         if latest is not None:
             write_json(self.storage, f"{self.output}/{LATEST_POINTER}", latest)

@@ -70,7 +70,7 @@ def test_stats_and_layout(fiqa_run):
     true, _ = fiqa_pairs(400)
     assert s["pool_size"] == len({p["passage"] for p in true if p["passage"].strip()})  # each usable passage once
     assert sum(s["n_above_histogram"]["counts"]) == s["pairs_kept"] + s["pairs_dropped_consistency"]
-    assert o.names("fiqa") == ["_SUCCESS", "dropped", "manifest.json", "pairs", "stats.json"]
+    assert o.names("fiqa") == ["README.md", "_SUCCESS", "dropped", "manifest.json", "pairs", "stats.json"]
     m = o.json("fiqa", "manifest.json")
     assert m["job"] == "filter-pairs" and m["consistency"]["pool_source"] == "the input pairs' passages"
 

@@ -42,7 +42,7 @@ def default_run(tmp_path_factory):
 
 def test_run_folder_layout(default_run):
     o, proc = default_run
-    assert o.names("sample") == ["_SUCCESS", "groups", "manifest.json", "stats.json", "tfidf.joblib"]
+    assert o.names("sample") == ["README.md", "_SUCCESS", "groups", "manifest.json", "stats.json", "tfidf.joblib"]
     assert o.names("sample", "groups") == [f"part-0000{i}.parquet" for i in range(4)]
     assert o.names() == ["_latest.json", "sample"]
     latest = o.json("_latest.json")

@@ -6,6 +6,7 @@ relevant passages than the default window)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections import Counter
@@ -213,6 +214,36 @@ def teacher_run(tiny_run, tiny_teacher, tmp_path_factory):
                 "--teacher", tiny_teacher, "--set", "negatives.index=hnsw")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp / "neg", proc
+
+
+def test_export_of_a_negatives_run_to_s3_has_one_column_per_negative(teacher_run, tiny_model_dir, s3_server,
+                                                                       tmp_path):
+    """Issue 41 item 5: (anchor, positive, negative_1..n) columns from a negatives run, written to S3; rows with
+    fewer than n negatives are skipped and counted; sentence-transformers' MNRL trains on them as they are."""
+    from pairmine.pipeline.cli import main
+    from tests.conftest import Out
+    from tests.test_export import _load, _st_step
+
+    neg_dir, _ = teacher_run
+    rows = pq.read_table(neg_dir / "negatives").to_pylist()
+    o = Out(f"s3://pairmine-test/export-{tmp_path.name}", s3_server.endpoint)
+    assert main(["export", str(neg_dir), o.path("st"), "--negatives", "3",
+                 "--set", f"storage.endpoint_url={o.endpoint}"]) == 0
+    manifest = o.json("st", "export_manifest.json")
+    assert manifest["columns"] == ["anchor", "positive", "negative_1", "negative_2", "negative_3"]
+    full = [r for r in rows if len(r["negatives"] or []) >= 3]
+    assert manifest["rows"] == len(full) > 0 and sum(manifest["skipped"].values()) == len(rows) - len(full)
+    table = o.storage.read_parquet(o.path("st", "data", "part-00000.parquet"))
+    first = table.to_pylist()[0]
+    assert first == {"anchor": full[0]["query"], "positive": full[0]["positive"],
+                     **{f"negative_{i + 1}": full[0]["negatives"][i] for i in range(3)}}
+    local = tmp_path / "from-s3"
+    for name in ["README.md", "data/part-00000.parquet"]:
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(o.storage.read_bytes(o.path("st", name)))
+    loss, moved = _st_step(tiny_model_dir, _load(local), tmp_path)  # (anchor, positive, negative_1..3) as MNRL reads them
+    assert math.isfinite(loss) and moved > 0
+    (neg_dir / "README.md").read_text().index("    path: negatives/part-*.parquet")  # the run's own card
 
 
 def test_negatives_of_a_mine_run_with_a_teacher(tiny_run, tiny_teacher, teacher_run):

@@ -62,7 +62,7 @@ def test_a_run_killed_mid_file_keeps_its_completed_row_groups(one_file, tiny_mod
         b = o.table("whole", folder).drop_columns(["run_id"])
         assert a.num_rows == b.num_rows == len(set(a.column("group_id").to_pylist()))  # exactly once
         assert_same_groups(a, b)
-    assert o.names("killed") == ["_SUCCESS", "dropped", "groups", "manifest.json", "stats.json", "tfidf.joblib"]
+    assert o.names("killed") == ["README.md", "_SUCCESS", "dropped", "groups", "manifest.json", "stats.json", "tfidf.joblib"]
 
 
 def kill_after_first_commit_then_resume(cmd, root, log, job: str) -> tuple[int, dict, dict]:
@@ -115,7 +115,7 @@ def test_filter_pairs_killed_after_a_shard_commit_resumes_the_rest(tiny_model_di
         assert a.column("pair_id").to_pylist() == b.column("pair_id").to_pylist()
         assert len(set(a.column("pair_id").to_pylist())) == a.num_rows  # exactly once
         assert_same_groups(a, b)
-    assert o.names("killed") == ["_SUCCESS", "dropped", "manifest.json", "pairs", "stats.json"]
+    assert o.names("killed") == ["README.md", "_SUCCESS", "dropped", "manifest.json", "pairs", "stats.json"]
     m = o.json("killed", "manifest.json")
     assert [sh["status"] for sh in m["shards"]] == ["committed"] * 4
     again = subprocess.run(cmd("killed"), capture_output=True, text=True, timeout=300)
@@ -150,4 +150,4 @@ def test_negatives_killed_after_a_shard_commit_resumes_the_rest(tiny_model_dir, 
     b = o.table("whole", "negatives").drop_columns(["run_id"]).sort_by("pair_id")
     assert a.num_rows == len(set(a.column("pair_id").to_pylist())) == 400  # exactly once
     assert_same_groups(a, b)
-    assert o.names("killed") == ["_SUCCESS", "manifest.json", "negatives", "stats.json"]
+    assert o.names("killed") == ["README.md", "_SUCCESS", "manifest.json", "negatives", "stats.json"]

@@ -201,7 +201,7 @@ def test_driver_killed_at_several_points_then_rerun_gives_the_same_groups(refere
     for key in ("docs_in", "docs_with_groups", "groups", "groups_mined", "passages", "passages_in_groups", "anchors"):
         assert s[key] == ref_stats[key], key
     assert s["centrality_histogram"] == ref_stats["centrality_histogram"]
-    assert o.names("killed") == ["_SUCCESS", "groups", "manifest.json", "stats.json", "tfidf.joblib"]
+    assert o.names("killed") == ["README.md", "_SUCCESS", "groups", "manifest.json", "stats.json", "tfidf.joblib"]
     assert o.names("killed", "groups") == [f"part-{i:05d}.parquet" for i in range(8)]
     m = o.json("killed", "manifest.json")
     assert [sh["status"] for sh in m["shards"]] == ["committed"] * 8
