@@ -1,6 +1,6 @@
 """Peak memory of a whole `pairmine mine` run (the driver and every Ray process it starts), on the shipped sample
 replicated 1x and Nx with fresh document ids, and the ratio. Streaming should keep the peak nearly flat as the input
-grows; what does grow with the input is listed in the README ("Memory").
+grows; what does grow with the input is listed in docs/benchmarks.md ("Memory").
 
 Memory is sampled every 0.25 s over the run's process tree (driver, GCS, raylet, workers: all are descendants of
 the driver with a local Ray). Two figures per sample: the sum of PSS (proportional set size: shared pages such as

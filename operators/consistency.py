@@ -16,8 +16,8 @@ same product so that ties rounded alike; that cost a (G, dim) copy and G extra c
 rounding still decided near-ties). The reported s is the float64 value rounded to float32. Scores are fp32 even
 when the pool is stored in fp16 on a GPU (bf16/fp16 products flip many counts), and TF32 is switched off.
 
-Speed (benchmarks/bench_filter.py, README "Consistency filter"): the chunk's score matrix is written into one
-reused buffer, a row maximum clears the rows with nothing near s (most rows: one read, no write), and only the
+Speed (benchmarks/bench_filter.py, docs/benchmarks.md "Consistency filter"): the chunk's score matrix is written
+into one reused buffer, a row maximum clears the rows with nothing near s (most rows: one read, no write), and only the
 remaining rows are compared and counted; pool passages of the group's own document are taken back per chunk from
 the (group, pool row) pairs found once per call.
 """

@@ -62,13 +62,8 @@ def pick_dtype(requested: str, device: str, cpu_capabilities: dict | None = None
 
     ``auto`` is bfloat16 on a GPU that supports it (else float16); on a CPU, bfloat16 autocast where the CPU multiplies
     bf16 natively and faster than fp32: AMX bf16 tiles (``amx_bf16``), or an AMD CPU with AVX512-BF16 (Zen 4 and
-    later, ``avx512_bf16`` with ``cpu_name`` AMD); else float32. AVX512-BF16 alone is not enough on Intel: on our 2-core
-    Xeon without AMX (2026-12-03, all-MiniLM-L6-v2, 2 threads, torch 2.13) bf16 autocast ran at 0.70-0.79x of fp32
-    at every padded length from 32 to 256 tokens (e.g. 20.6 vs 29.7 passages/s at 256). On a 2-core Xeon with AMX
-    (2026-12-04, one thread) bf16 autocast was 2.2x fp32 in a negatives corpus pass (6,027 fiqa texts: 235 -> 106 s)
-    and 2.7x in sentence-transformers' ``mine_hard_negatives`` (252 -> 93 s). On a 2-core AMD EPYC with AVX512-BF16
-    and no AMX (2026-12-05, one thread, :class:`Embedder` on 384 FiQA answers, alternating runs in one process) bf16
-    autocast was 1.74x fp32 (10.0 vs 17.4 s; sentence-transformers' ``encode`` 1.81x). bf16 moves vectors by a
+    later, ``avx512_bf16`` with ``cpu_name`` AMD); else float32. AVX512-BF16 alone is not enough on Intel (a Xeon
+    without AMX ran bf16 autocast slower than fp32). Measured figures: docs/benchmarks.md. bf16 moves vectors by a
     cosine of < 0.002 from fp32 (``tests/test_embed.py``). Any explicit request is returned as is.
 
     Args:
@@ -145,9 +140,7 @@ def padded_length(n_tokens: int, max_length: int, multiple: int = PAD_MULTIPLE) 
 CPU_ROWS_PER_THREAD = 8
 """With ``batch_size`` 0 (auto), passages per CPU forward pass at ``max_length``, per torch thread (at most
 :data:`GPU_BATCH_SIZE`). Smaller forward batches than a GPU's run faster on a CPU, whose caches the larger
-activations overflow: all-MiniLM-L6-v2, bf16 autocast, 1,024-2,048 FiQA answers per call, alternating runs on a
-2-core Xeon (2026-12-05): at 1 thread 8 rows took 19.0 s where 32 took 21.7 s (16: 20.6 s), and 23.4-24.5 s where
-32 took 25.1-26.5 s; at 2 threads 16 rows 10.2 s, 8 rows 10.5-10.8 s, 32 rows 11.0-11.4 s."""
+activations overflow. Measured figures: docs/benchmarks.md."""
 
 GPU_BATCH_SIZE = 32
 """With ``batch_size`` 0 (auto), passages per GPU forward pass at ``max_length``."""
@@ -192,12 +185,9 @@ def length_batches(lengths, max_length: int, batch_size: int) -> list[tuple[int,
 def precast_linear_weights(model, dtype) -> int:
     """Store the weights and biases of ``model``'s ``torch.nn.Linear`` layers in ``dtype`` (bf16), for a forward
     pass under CPU ``torch.autocast`` to ``dtype``: autocast casts an fp32 Linear weight to ``dtype`` at every call
-    (its weight cache does not hold under ``inference_mode``), and the cast was 18% of the forward pass's CPU time
-    (torch profiler, all-MiniLM-L6-v2, one thread, 512 FiQA answers). A Linear's output under autocast is the same
-    for a weight cast once or at every call (the same rounding), so vectors are bitwise those of plain autocast
-    (tested). 2026-12-05, 2-core Xeon with AMX, one thread, alternating runs: the forward passes alone 8-10% faster
-    on 512 short FiQA answers; a negatives run's corpus embed actor 3.6% faster (busy 66.5 / 66.8 s against
-    69.4 / 68.8 s on ``bench_negatives.py --copies 4``'s corpus), where attention, which is not cast, weighs more.
+    (its weight cache does not hold under ``inference_mode``), a large share of the forward pass's CPU time. A
+    Linear's output under autocast is the same for a weight cast once or at every call (the same rounding), so vectors
+    are bitwise those of plain autocast (tested). Measured figures: docs/benchmarks.md.
 
     A Linear whose weight or bias is shared with another parameter name (tied weights) or that is a subclass of
     ``torch.nn.Linear`` (it may use its weight outside ``F.linear``) is left in fp32; LayerNorm, embeddings and

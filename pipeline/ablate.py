@@ -45,11 +45,9 @@ log = logging.getLogger("pairmine")
 ARMS = ("start", "xprt", "random", "crop")
 REGIMES = ("scratch", "continue")
 
-# The proxies' settings per regime, before --config/--set (which override them). Sized on these 2 cores (measured
-# 2026-12-07, benchmarks in docs): a 4-layer, 256-wide BERT at 64 pairs x 128 tokens with L_xp alone trains at
-# ~4.2 s a step on 2 workers without gradient checkpointing (~7 s with it, which this small model does not need:
-# its activations are ~0.2 GiB), plus ~55 s per unit to start; 80 steps x 3 trained arms x 2 seeds and 8 evaluations
-# on fiqa + STS-B fit 60 minutes.
+# The proxies' settings per regime, before --config/--set (which override them), sized so that the default run fits
+# an hour on 2 CPU cores (no gradient checkpointing: this small model's activations are small). Measured figures:
+# docs/benchmarks.md ("Ablation proxies").
 SCRATCH = ["train.init=scratch", "train.max_length=128", "train.batch_size=64", "train.max_steps=80",
            "train.lr_new=5e-4", "train.warmup_ratio=0.1", "loss.w_cross=0", "loss.w_self=0", "loss.w_mlm=0",
            "loss.w_unif=0", "loss.retention_start=0", "loss.retention_end=0", "checkpoint.every_steps=40",

@@ -17,7 +17,7 @@ import tomllib
 
 # The default model's anchor threshold, 0.675, was measured on the shipped sample with benchmarks/threshold_sweep.py:
 # the value at which the sample's eligible documents (>= 5 passages) come closest to the paper's 68% passage
-# coverage (69.2%). See README, "Anchor threshold". E5's value on FineWeb is 0.825 (seed 000).
+# coverage (69.2%). See docs/mining.md, "Anchor threshold". E5's value on FineWeb is 0.825 (seed 000).
 from pairmine.pipeline.model_description import DEFAULT_MINILM_THRESHOLD, E5_THRESHOLD  # noqa: F401 - re-exported
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")

@@ -26,7 +26,7 @@ log = logging.getLogger("pairmine")
 
 DESCRIPTION_FILE = "pairmine_model.json"
 FORMAT = 1
-DEFAULT_MINILM_THRESHOLD = 0.675  # README "Anchor threshold": the paper's 68% coverage on the shipped sample
+DEFAULT_MINILM_THRESHOLD = 0.675  # docs/mining.md "Anchor threshold": the paper's 68% coverage on the shipped sample
 E5_THRESHOLD = 0.825  # seed 000, FineWeb with E5
 
 
@@ -81,8 +81,8 @@ def _is_e5(model: str) -> bool:
 
 KNOWN_FAMILIES: tuple[tuple[str, object, ModelDescription], ...] = (
     ("all-MiniLM-L6-v2", _is_minilm,
-     ModelDescription("", "", DEFAULT_MINILM_THRESHOLD, threshold_source="the default model's value, README "
-                      "'Anchor threshold'", source="known family all-MiniLM-L6-v2")),
+     ModelDescription("", "", DEFAULT_MINILM_THRESHOLD, threshold_source="the default model's value, "
+                      "docs/mining.md 'Anchor threshold'", source="known family all-MiniLM-L6-v2")),
     ("E5", _is_e5,
      ModelDescription("query: ", "passage: ", E5_THRESHOLD, threshold_source="E5's value on FineWeb (seed 000)",
                       source="known family E5")),

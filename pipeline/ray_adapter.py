@@ -80,8 +80,7 @@ def apply_stage(ds, stage: Stage):
 
 IDLE_WORKER_KEEP_S = 60
 """Seconds an idle task worker of pairmine's private local Ray lives (Ray's ``idle_worker_killing_time_threshold_ms``,
-1 s by default; ``$RAY_idle_worker_killing_time_threshold_ms`` wins). On a 2-CPU node this took a negatives run's
-pairs pass from 8.4 to 4.7 s (2026-12-04)."""
+1 s by default; ``$RAY_idle_worker_killing_time_threshold_ms`` wins). Measured figures: docs/benchmarks.md."""
 
 
 @contextlib.contextmanager

@@ -37,7 +37,8 @@ log = logging.getLogger("pairmine")
 
 STATE_DIR = "_state"  # plan.json (inputs + config of the first attempt), shard and unit commit records
 STAGING_DIR = "_staging"
-LATEST_POINTER = "_latest.json"  # beside the run folders: the most recently committed run (format 1, see README)
+# beside the run folders: the most recently committed run (format 1, docs/operations.md)
+LATEST_POINTER = "_latest.json"
 
 
 RUN_DATA = {"mine": "groups", "filter-pairs": "pairs", "negatives": "negatives"}  # a run's kind -> its data folder

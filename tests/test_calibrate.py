@@ -110,8 +110,8 @@ def test_cli_calibrate(tiny_model_dir, sample_dir, tmp_path, capsys):
 @pytest.mark.slow
 def test_default_model_on_the_whole_sample_reproduces_the_default_threshold():
     """~3 minutes on 2 cores: the default model on all 827 sample documents. Over eligible documents the paper's 68%
-    gives 0.681, next to the default threshold 0.675 chosen on a 0.025 grid (README, "Anchor threshold"); over all
-    passages (stats.json's coverage) it gives 0.564."""
+    gives 0.681, next to the default threshold 0.675 chosen on a 0.025 grid (docs/mining.md, "Anchor threshold");
+    over all passages (stats.json's coverage) it gives 0.564."""
     cfg = load_config()
     c = calibrate(cfg, sample_docs=1000, basis="eligible")
     assert c.docs == 827 and c.passages == 5216  # 5144 before passages were fitted to 256 tokens

@@ -200,8 +200,8 @@ def test_eval_and_compare_read_and_write_s3_with_the_endpoint_only_in_storage(ti
     assert o.json("cmp.json")["queries_common"] == 2
 
 
-# ~5.5 minutes of the real model pinning README's figures: -m slow (eval's kind stays in the default run through the
-# tiny-model tests above: metrics by hand, skips, prefixes, S3).
+# ~5.5 minutes of the real model pinning docs/evaluation.md's figures: -m slow (eval's kind stays in the default run
+# through the tiny-model tests above: metrics by hand, skips, prefixes, S3).
 @pytest.mark.slow
 def test_default_model_on_fiqa_and_sts_benchmark(tmp_path):
     """all-MiniLM-L6-v2 (the default model) on fiqa-pairs-beir (500 queries, 1,236 usable passages) and STS-B test

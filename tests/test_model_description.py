@@ -103,7 +103,7 @@ def default_export(tmp_path_factory) -> str:
 
 
 def test_an_export_of_the_default_model_mines_at_its_threshold(default_export, sample_dir, tmp_path, ray_local):
-    """The README's next step, ``pairmine mine --set embed.model=train/xprt/export``, keeps 0.675 (name guessing
+    """docs/training.md's next step, ``pairmine mine --set embed.model=train/xprt/export``, keeps 0.675 (name guessing
     gave 0.825 to any other model: ~11% anchors instead of ~52%)."""
     from pairmine.pipeline.mine import mine
 

@@ -310,7 +310,7 @@ def test_incremental_mines_each_shard_once(out, eight_shards, tiny_model_dir, tm
     for name in ("000_00000-a.parquet", "000_00000-b.parquet"):
         (inp / name).write_bytes((eight_shards / name).read_bytes())
 
-    def nightly(run_id):  # on S3: the endpoint from the standard AWS_ENDPOINT_URL, as the README's commands give it
+    def nightly(run_id):  # on S3: the endpoint from the standard AWS_ENDPOINT_URL, as docs/operations.md gives it
         cmd = mine_cmd(inp, out, run_id, tiny_model_dir, endpoint_in_config=False) + ["--incremental"]
         env = {**os.environ, **({"AWS_ENDPOINT_URL": out.endpoint} if out.is_s3 else {})}
         return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
