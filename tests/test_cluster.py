@@ -125,6 +125,22 @@ def test_submitted_job_mines_what_a_local_run_mines(cluster, ray_local, tiny_run
     assert json.loads((tmp_path / "cluster" / "job" / "stats.json").read_text())["groups"] == local.num_rows
 
 
+def test_submit_script_exits_with_pairmines_own_code_when_the_job_fails(cluster, tmp_path):
+    """Issue 39 item 4 (kuberay#3211/#3216): `ray job submit` exits 0 for a STOPPED job and 1 for every failure, so a
+    scheduler could not tell a user error from a crash. deploy/submit.sh exits with the job's result: pairmine's own
+    exit code 2 (a user error, its one error line in the followed log) where Ray recorded it."""
+    import subprocess
+
+    head, _, _ = cluster
+    proc = subprocess.run(["bash", str(REPO / "deploy" / "submit.sh"), "--input", str(tmp_path / "missing"),
+                           "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RAY_ADDRESS": head.dashboard_url, "PATH": venv_path()})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-3000:]
+    assert f"pairmine: error: input {tmp_path / 'missing'} does not exist" in text
+    assert "ended FAILED (driver exit code 2;" in text and "exiting 2" in text
+
+
 def test_a_lost_worker_node_ends_with_an_error_and_the_run_id_resumes(cluster, ray_local, tiny_run, tiny_model_dir,
                                                                       sample_dir, tmp_path):
     """The worker node's raylet is SIGKILLed in the main pass. The stage plan asked for both nodes' CPUs, so the

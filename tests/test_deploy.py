@@ -235,7 +235,12 @@ def test_s3_credentials_come_from_the_secret_only():
 
 def _entrypoint_args(entrypoint: str) -> list[str]:
     """The entrypoint's words as the submitter's shell gives them to pairmine ($(date -u +%F) expanded)."""
-    assert "pairmine" in entrypoint and ";" not in entrypoint and "&&" not in entrypoint
+    # A command after a shell operator runs in the KubeRay submitter pod, not as the job (kuberay#3929, #3802): where
+    # pairmine would start a private Ray of the pod's CPUs. No operator of any kind, outside quotes.
+    lexer = shlex.shlex(entrypoint.replace("$(date -u +%F)", "DATE"), posix=True, punctuation_chars=True)
+    operators = [t for t in lexer if t and set(t) <= set("();<>|&")]
+    assert "pairmine" in entrypoint and not operators and "`" not in entrypoint and "\n" not in entrypoint.strip(), \
+        f"shell operators {operators} in {entrypoint!r}"
     words = shlex.split(entrypoint.replace("$(date -u +%F)", "2026-12-01"))
     assert not [w for w in words if "$" in w], f"unexpanded shell in {entrypoint!r}"
     assert words[0] == "pairmine"
@@ -282,6 +287,15 @@ def test_the_nightly_job_mines_incrementally_into_a_dated_run():
     assert len(cron["spec"]["schedule"].split()) == 5
 
 
+def test_shell_operators_in_an_entrypoint_are_refused():
+    for bad in ["pairmine mine --input a && pairmine report runs/x", "pairmine mine --input a; echo done",
+                "pairmine mine --input a || true", "pairmine mine --input a | tee log", "pairmine mine > log",
+                "pairmine mine --input a &"]:
+        with pytest.raises(AssertionError, match="shell operators"):
+            _entrypoint_args(bad)
+    assert _entrypoint_args("pairmine mine --set 'input.path=a;b'") == ["mine", "--set", "input.path=a;b"]
+
+
 def test_a_bad_set_key_is_caught_by_the_command_check():
     with pytest.raises(Exception, match="embed.no_such_key"):
         _check_command(["mine", "--input", "s3://a/", "--set", "embed.no_such_key=1"])
@@ -295,7 +309,9 @@ def test_submit_script_runs_the_mine_command():
     import subprocess
 
     text = (DEPLOY / "submit.sh").read_text()
-    assert re.search(r'ray job submit --address "\$RAY_ADDRESS" -- pairmine mine "\$@"', text)
+    assert re.search(r'ray job submit --address "\$RAY_ADDRESS" --submission-id "\$id" --no-wait -- pairmine mine '
+                     r'"\$@"', text)
+    assert 'ray job logs --address "$RAY_ADDRESS" --follow "$id"' in text and "driver_exit_code" in text
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(["bash", str(DEPLOY / "submit.sh"), "--input", "x"], capture_output=True, text=True, env=env,
                           timeout=60)
