@@ -737,8 +737,8 @@ def xtr_step(model, tokenizer, batch: dict, cfg: TrainConfig, world: int, device
 
     from pairmine.operators.consistency import doc_hash
     from pairmine.pipeline.xprt import gather_with_grad
-    from pairmine.pipeline.xtr import (f_xtr_chunked, in_batch_alignment, query_chunk, token_similarities,
-                                      xtr_loss)
+    from pairmine.pipeline.xtr import (f_xtr_chunked, in_batch_alignment, query_chunk, scoreable_rows,
+                                      token_similarities, xtr_loss)
 
     lo = cfg.loss
     g = len(batch["anchor_text"])
@@ -772,7 +772,10 @@ def xtr_step(model, tokenizer, batch: dict, cfg: TrainConfig, world: int, device
         same = (all_docs[:, None] == all_docs[None, :]) & ~torch.eye(n, dtype=torch.bool, device=device)
         scores = scores.masked_fill(same, float("-inf"))
     target = torch.arange(n, device=device)
-    loss = xtr_loss(scores, target, lo.xtr_tau)
+    # a query or positive with no real token (special tokens only) has nothing to learn from: its row is left out
+    # of the mean (issue 39 item 1); its document stays a negative that scores 0
+    valid = scoreable_rows(qm, dm, target)
+    loss = xtr_loss(scores, target, lo.xtr_tau, valid)
     optimizer.zero_grad(set_to_none=True)
     (world * loss).backward()  # a global-batch term on every worker (as xprt_step's): DDP's average is the gradient
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
@@ -784,7 +787,8 @@ def xtr_step(model, tokenizer, batch: dict, cfg: TrainConfig, world: int, device
             in_batch_alignment(token_similarities(q[i:i + chunk], d), qm[i:i + chunk], dm, lo.xtr_k_train)
             .any(-1)[torch.arange(len(q[i:i + chunk])), :, target[i:i + chunk]] for i in range(0, n, chunk)])
         z_pos = (own.sum(1).float() / qm.sum(1).clamp(min=1)).mean()
-    return {"loss": loss.detach(), "p_positive": p_pos, "z_positive": z_pos, "grad_norm": grad_norm}
+    return {"loss": loss.detach(), "p_positive": p_pos, "z_positive": z_pos, "grad_norm": grad_norm,
+            "rows_without_tokens": (n - valid.sum()).float()}
 
 
 def revela_step(model, tokenizer, lm_tokenizer, batch: dict, cfg: TrainConfig, world: int, device, amp, optimizer,

@@ -221,3 +221,24 @@ def test_a_training_row_with_no_token_vector_gives_no_nan_and_is_left_out_of_the
 
 def F_normalize(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(x, dim=-1)
+
+
+def test_an_xtr_training_step_leaves_out_the_rows_without_tokens(tiny_model_dir):
+    """The same fault at the level of a real training step (pipeline.train.xtr_step, the tiny BERT, one worker): a
+    group whose positive is zero-width spaces and one whose anchor is emoji train nothing, the step's loss is the
+    loss of the other rows and is finite, and the metrics count the rows left out."""
+    from pairmine.pipeline.train import _load_models, xtr_step
+    from pairmine.pipeline.train_config import load_train_config
+
+    cfg = load_train_config(None, [f"train.model={tiny_model_dir}", "train.objective=xtr", "train.max_length=32",
+                                   "loss.mask_same_doc=false"])
+    tokenizer, model, _, _ = _load_models(cfg, "xtr")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    batch = {"anchor_text": np.array(["a query about cats", "\U0001F600\U0001F389", "dogs and more dogs",
+                                      "birds in the garden"]),
+             "related_texts": [["cats sit on mats"], ["a page about fish"], ["\u200b\u200b"], ["birds sing at dawn"]],
+             "doc_id": np.array(["d1", "d2", "d3", "d4"])}
+    terms = xtr_step(model, tokenizer, batch, cfg, 1, torch.device("cpu"), None, optimizer, scheduler)
+    assert int(terms["rows_without_tokens"]) == 2
+    assert math.isfinite(float(terms["loss"])) and float(terms["loss"]) > 0 and math.isfinite(float(terms["grad_norm"]))
