@@ -352,9 +352,74 @@ def pending_demands() -> list[tuple[dict, int]]:
         return []
 
 
+STORE_FULL = 0.9  # object store share in use above which a stall names it
+DISK_FULL = 0.95  # Ray's own limit: local_fs_capacity_threshold, above which it refuses to create objects
+
+
+def pressure_phrase(used: int, capacity: int, spilled: int, pulls_queued: bool, disk_used: float | None,
+                    disk_free: int | None, temp_dir: str) -> str:
+    """The part of a stall message that names the object store and the spill disk, from Ray's own figures (see
+    :func:`store_pressure`); "" when neither is under pressure.
+
+    Args:
+        used, capacity: object store bytes in use and available in all (all nodes).
+        spilled: bytes spilled to disk since Ray started (all nodes); named when it grew since the last call (a
+            spill long past is not why a run stalls now). pulls_queued: fetches wait for store memory.
+        disk_used: share of the disk holding Ray's temp folder in use (the driver's node), or None if unknown.
+        disk_free: its free bytes. temp_dir: that folder (where Ray spills by default).
+    """
+    mib = 1024 * 1024
+    parts = []
+    if disk_used is not None and disk_used >= DISK_FULL:
+        parts.append(f"the disk of Ray's temp folder {temp_dir} is {100 * disk_used:.0f}% full ({(disk_free or 0) // mib} "
+                     f"MiB free; Ray refuses new objects above {100 * DISK_FULL:.0f}%): free it or give the node a larger "
+                     "spill volume")
+    if spilled > _spilled_seen[0] or (capacity and used / capacity >= STORE_FULL) or pulls_queued:
+        full = f"{100 * used / capacity:.0f}% full" if capacity else "full"
+        parts.append(f"Ray is spilling objects to disk ({spilled // mib} MiB spilled so far; object store {full}"
+                     f"{', fetches waiting for store memory' if pulls_queued else ''}): lower the batch sizes or give "
+                     "the nodes a larger object store")
+    _spilled_seen[0] = max(_spilled_seen[0], spilled)
+    return "; ".join(parts)
+
+
+_spilled_seen = [0]  # the spilled bytes the last pressure_phrase saw (this process)
+
+
+def store_pressure() -> str:
+    """:func:`pressure_phrase` from the running Ray: the object store's use and spilled bytes over all nodes (the
+    raylets' aggregate store stats, what ``ray memory --stats-only`` prints), and the disk of this node's Ray temp
+    folder. "" when nothing is under pressure, Ray cannot be read, or this process is not connected."""
+    import shutil
+
+    import ray
+
+    if not ray.is_initialized():
+        return ""
+    try:
+        from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+        st = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address),
+                                   timeout_seconds=10).store_stats
+        node = ray._private.worker._global_node
+        temp_dir = node.get_temp_dir_path() if node is not None else "/tmp/ray"
+        try:
+            disk = shutil.disk_usage(temp_dir)
+            disk_used, disk_free = disk.used / disk.total, disk.free
+        except OSError:
+            disk_used = disk_free = None
+        return pressure_phrase(int(st.object_store_bytes_used), int(st.object_store_bytes_avail),
+                               int(st.spilled_bytes_total), bool(st.object_pulls_queued), disk_used, disk_free,
+                               temp_dir)
+    except Exception as e:  # noqa: BLE001 - a diagnostic only: never let it end the run
+        log.debug("cannot read Ray's object store stats: %s", e)
+        return ""
+
+
 def stall_report(stages: list[Stage], idle_s: float, progress: str) -> str:
-    """One line on a pipeline that made no progress for ``idle_s`` seconds: what Ray cannot place (and which stages
-    ask for exactly that), the alive nodes and their free resources.
+    """One line on a pipeline that made no progress for ``idle_s`` seconds: spilling or a full spill disk when Ray's
+    own state shows it (:func:`store_pressure`), else what Ray cannot place (and which stages ask for exactly that),
+    then the alive nodes and their free resources.
 
     Args:
         stages: the pipeline's stages (their per-task/actor resources name the waiting stage).
@@ -378,10 +443,14 @@ def stall_report(stages: list[Stage], idle_s: float, progress: str) -> str:
     except Exception:  # noqa: BLE001
         nodes, free = [], "?"
     where = f"{len(nodes)} node(s) alive, free {free}"
+    pressure = store_pressure()
+    head = f"nothing completed for {idle_s:.0f} s ({progress}); " + (f"{pressure}; " if pressure else "")
     if parts:
-        return (f"nothing completed for {idle_s:.0f} s ({progress}); Ray cannot place {'; '.join(parts)}; {where}")
+        return f"{head}Ray cannot place {'; '.join(parts)}; {where}"
+    if pressure:  # Ray's own state says why; the generic guess would mislead
+        return f"{head}{where}"
     busy = ", ".join(f"{st.name} ({st.actors} actor(s))" if st.actors else st.name for st in stages)
-    return (f"nothing completed for {idle_s:.0f} s ({progress}); no resource demand is pending, so a stage is running "
+    return (f"{head}no resource demand is pending, so a stage is running "
             f"but not finishing (a frozen or very slow worker?); stages: {busy}; {where}")
 
 
@@ -449,7 +518,7 @@ def watched(items, stages: list[Stage], progress: Callable[[], str], warn_s: flo
                 if placed and not first and idle < 2 * longest:
                     continue  # no longer than calls have taken so far: slow, not frozen
                 warned = now
-                if first and placed:
+                if first and placed and not store_pressure():
                     # Before the first batch, with every stage placed: a first batch (model loads, a batch of
                     # documents through a CPU embedder) takes a while; not a warning yet.
                     log.info("nothing completed yet after %.0f s (%s): every stage is placed and running, the first "

@@ -200,6 +200,42 @@ def test_raycluster_has_a_cpu_head_a_cpu_group_and_a_gpu_group_on_the_right_imag
     assert spec["rayVersion"] == _base_tag("cpu").group(1) == _base_tag("gpu").group(1)
 
 
+def _gi(quantity: str) -> float:
+    """A Kubernetes quantity of the forms these manifests use (``12Gi``, ``512Mi``, plain bytes) in GiB."""
+    units = {"Gi": 1.0, "Mi": 1 / 1024, "Ti": 1024.0}
+    for unit, scale in units.items():
+        if quantity.endswith(unit):
+            return float(quantity[:-len(unit)]) * scale
+    return int(quantity) / 2**30
+
+
+def test_every_ray_node_has_a_spill_disk_sized_from_its_object_store():
+    """Issue 39 item 5 (ray-project/ray#24292, #17017, #13877): Ray spills the object store into its temp folder; on
+    a pod's writable layer that is unrequested ephemeral storage, and the kubelet evicts the pod when it fills. Every
+    Ray node of every cluster spec sets its object store, mounts a disk volume (not memory) at /tmp/ray of 2x that
+    size, and requests ephemeral storage for it plus 4 Gi; memory holds the object store with room to spare."""
+    groups = []
+    for name, doc in _all_docs():
+        for cluster in _cluster_specs(doc):
+            groups.append((f"{name}: head", cluster["headGroupSpec"]))
+            groups += [(f"{name}: {g['groupName']}", g) for g in cluster.get("workerGroupSpecs", [])]
+    assert groups
+    for where, group in groups:
+        store = _gi(group["rayStartParams"]["object-store-memory"])
+        spec = group["template"]["spec"]
+        container = spec["containers"][0]
+        mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+        assert "/tmp/ray" in mounts, where
+        volume = next(v for v in spec["volumes"] if v["name"] == mounts["/tmp/ray"])
+        assert volume["emptyDir"].get("medium") != "Memory", where  # a disk: spilled bytes must not take memory
+        spill = _gi(volume["emptyDir"]["sizeLimit"])
+        assert spill == 2 * store, where
+        res = container["resources"]
+        for side in ("requests", "limits"):
+            assert _gi(res[side]["ephemeral-storage"]) == spill + 4, (where, side)
+        assert store <= 0.35 * _gi(res["limits"]["memory"]), where
+
+
 def test_ray_binds_as_kuberay_expects():
     (_, cluster), = _by_kind("RayCluster")
     head = cluster["spec"]["headGroupSpec"]

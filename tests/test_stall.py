@@ -205,3 +205,48 @@ def test_ctrl_c_while_embedding_is_one_line_and_exit_130(sig, tiny_model_dir, sa
     how = "interrupted" if sig == "SIGINT" else "terminated (SIGTERM)"
     assert last.startswith(f"pairmine: {how}; what was committed stays: run the same command with --run-id "
                            "interrupted to resume"), err[-3000:]
+
+
+def test_the_pressure_phrase_names_spilling_and_a_full_disk_by_hand():
+    """Issue 39 item 5: a stall while Ray spills, or while its spill disk is full, says so (not "nothing
+    completed" with a guess); nothing is said when the store and the disk have room."""
+    from pairmine.pipeline import ray_adapter
+    from pairmine.pipeline.ray_adapter import pressure_phrase
+
+    ray_adapter._spilled_seen[0] = 0
+    mib = 1024 * 1024
+    assert pressure_phrase(10 * mib, 100 * mib, 0, False, 0.5, 10 * mib, "/tmp/ray") == ""
+    assert pressure_phrase(95 * mib, 100 * mib, 0, False, 0.5, 0, "/tmp/ray").startswith(
+        "Ray is spilling objects to disk (0 MiB spilled so far; object store 95% full)")
+    both = pressure_phrase(40 * mib, 100 * mib, 300 * mib, True, 0.97, 64 * mib, "/tmp/ray")
+    assert "spilling" not in pressure_phrase(40 * mib, 100 * mib, 300 * mib, False, 0.5, 0, "/tmp/ray")  # no growth
+    assert both == ("the disk of Ray's temp folder /tmp/ray is 97% full (64 MiB free; Ray refuses new objects above "
+                    "95%): free it or give the node a larger spill volume; Ray is spilling objects to disk (300 MiB "
+                    "spilled so far; object store 40% full, fetches waiting for store memory): lower the batch sizes "
+                    "or give the nodes a larger object store")
+
+
+def test_a_stall_report_of_a_ray_that_spills_names_the_spilling():
+    """A real local Ray with a 80 MB object store holding 300 MB of objects spills; the stall line says so with
+    Ray's own spilled bytes (its raylets' store stats)."""
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="pm-spill-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    code = (
+        "import numpy as np, ray\n"
+        "from pairmine.pipeline.ray_adapter import Stage, stall_report\n"
+        f"ray.init(num_cpus=1, object_store_memory=80 * 1024 * 1024, include_dashboard=False, "
+        f"_temp_dir={tmp!r})\n"
+        "refs = [ray.put(np.ones(5 * 1024 * 1024, dtype=np.float64)) for _ in range(8)]\n"
+        "print(stall_report([Stage('Embed', dict, num_cpus=1)], 61.0, '0 / 9 documents'))\n"
+        "ray.shutdown()\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("nothing completed for 61 s (0 / 9 documents); Ray is spilling objects to disk (")
+    spilled = int(line.split("Ray is spilling objects to disk (")[1].split(" MiB")[0])
+    assert spilled >= 200, line  # 320 MB put into an 80 MB store
