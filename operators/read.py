@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairmine.operators.storage import LOCAL, Storage, is_transient
+from pairmine.operators.errors import PairmineError
 
 # Skip reasons (the keys of stats.json's docs_skipped).
 NULL_ID = "null_id"
@@ -72,18 +73,19 @@ COMPRESSION_SUFFIXES = (".gz", ".zst", ".zstd", ".bz2", ".xz")
 SNIFF_BYTES = 8192  # decompressed bytes checked for binary content before a JSONL file is parsed
 
 
-class InputError(ValueError):
+class InputError(PairmineError, ValueError):
     """The input cannot be used as given (unknown format, unreadable, corrupt or binary file); the message names
-    the path."""
+    the path. User-fixable."""
 
 
-class MissingColumnError(ValueError):
-    """An input shard lacks a required column (the message names the column, the file and the columns found)."""
+class MissingColumnError(PairmineError, ValueError):
+    """An input shard lacks a required column (the message names the column, the file and the columns found).
+    User-fixable (the column settings or the input)."""
 
 
 class ColumnTypeError(InputError):
     """A text column holds values that are not text (numbers, lists, structs), or an id column holds lists or
-    structs; the message names the column, its type and the file."""
+    structs; the message names the column, its type and the file. User-fixable (an :class:`InputError`)."""
 
 
 def open_input(path: str, storage: Storage = LOCAL):

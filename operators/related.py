@@ -355,4 +355,8 @@ def _vectorizer(max_features: int, sublinear_tf: bool):
 
 
 class EmptySampleError(ValueError):
-    """The TF-IDF sample holds no word (no passage at all, or only punctuation/numbers-free noise)."""
+    """The TF-IDF sample holds no word (no passage at all, or only punctuation/numbers-free noise).
+
+    Internal, not a :class:`operators.errors.PairmineError`: a signal that every caller (``pipeline.mine``,
+    ``pipeline.calibrate``) catches to fall back to :func:`unfitted_tfidf` (said in the log and the manifest); one
+    that reached the CLI would be a pairmine bug, so it keeps its traceback."""

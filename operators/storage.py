@@ -27,6 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
+from pairmine.operators.errors import PairmineError
+
 log = logging.getLogger("pairmine")
 T = TypeVar("T")
 
@@ -40,9 +42,9 @@ TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNA
 _SECRET_KEYS = ("key", "secret", "token", "access_key_id", "secret_access_key", "session_token", "password")
 
 
-class StorageError(OSError):
+class StorageError(PairmineError, OSError):
     """A storage operation failed for good (not transient, or still failing after the retries); the message names
-    the operation and the path, never a credential."""
+    the operation and the path, never a credential. User-fixable (path, permissions, credentials, endpoint)."""
 
 
 def is_transient(error: BaseException) -> bool:

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 
+from pairmine.operators.errors import PairmineError
 from pairmine.pipeline import __version__
 
 
@@ -750,26 +751,19 @@ def cmd_calibrate(args) -> int:
 EVAL_COMMANDS = {"eval": cmd_eval, "compare": cmd_compare, "report": cmd_report, "calibrate": cmd_calibrate}
 
 
+USER_BUILTINS = (FileNotFoundError, PermissionError)  # builtins the CLI shows as a user error (a path to fix)
+
+
 def user_error(e: BaseException) -> str | None:
     """The message to show for an error the user can fix (bad config, input, run id), or None for a bug.
 
-    Errors raised inside Ray tasks arrive wrapped in a RayTaskError; their cause is unwrapped here so the user sees
-    the message, not a remote traceback."""
-    from pairmine.operators.read import MissingColumnError
-    from pairmine.operators.storage import StorageError
-    from pairmine.pipeline.config import ConfigError
-    from pairmine.pipeline.evaluate import EvalInputError
-    from pairmine.pipeline.inputs import InputError
-    from pairmine.pipeline.mine import RunExistsError
-    from pairmine.pipeline.ray_adapter import PlanError, StallError
-    from pairmine.pipeline.xprt_model import UnsupportedModelError
-
-    known = (ConfigError, InputError, MissingColumnError, RunExistsError, FileNotFoundError, PermissionError,
-             StorageError, EvalInputError, UnsupportedModelError, PlanError, StallError)
+    A user-fixable error is a :class:`operators.errors.PairmineError` (every such pairmine error derives from it)
+    or one of the builtins in :data:`USER_BUILTINS`. Errors raised inside Ray tasks arrive wrapped in a
+    RayTaskError; their cause is unwrapped here so the user sees the message, not a remote traceback."""
     # Ray wraps a task's error once (RayTaskError.cause) or twice (Ray Data's UserCodeException around the UDF's
     # error, as __cause__): follow the whole chain.
-    # The innermost known error wins: a RayTaskError is itself an instance of its cause's class, and its own text is
-    # the remote traceback.
+    # The innermost user error wins: a RayTaskError is itself an instance of its cause's class (so a PairmineError
+    # too), and its own text is the remote traceback.
     seen: set[int] = set()
 
     def innermost(err) -> str | None:
@@ -780,22 +774,35 @@ def user_error(e: BaseException) -> str | None:
             found = innermost(inner)
             if found is not None:
                 return found
-        return str(err) if isinstance(err, known) else None
+        return str(err) if isinstance(err, (PairmineError, *USER_BUILTINS)) else None
 
     message = innermost(e)
     if message is not None:
         return message
     # Ray Data re-raises an operator's error as a UserCodeException that keeps only the remote traceback's text:
-    # a known error is recognised there by its class name, and its message is the rest of that line.
-    # Only pairmine's own error classes, named with their module, in errors that came from a Ray task.
+    # a user error is recognised there by its class, named with its module on a line of its own
+    # (``pairmine.operators.read.ColumnTypeError: <message>``), and its message is the rest of that line. Only
+    # pairmine's own PairmineError classes (imported by that name here), in errors that came from a Ray task; the
+    # first such line wins (a chained traceback prints the cause first).
     from ray.exceptions import RayError
 
     if not isinstance(e, RayError):
         return None
-    names = "|".join(sorted({cls.__name__ for cls in known if cls.__module__.startswith("pairmine.")}
-                            | {"ColumnTypeError"}))
-    found = re.search(rf"^pairmine\.[\w.]+\.(?:{names}): (.+)$", str(e), re.MULTILINE)
-    return found.group(1) if found else None
+    for found in re.finditer(r"^(pairmine(?:\.\w+)+)\.(\w+): (.+)$", str(e), re.MULTILINE):
+        if _is_pairmine_error(found.group(1), found.group(2)):
+            return found.group(3)
+    return None
+
+
+def _is_pairmine_error(module: str, name: str) -> bool:
+    """Whether ``module.name`` (as a traceback names a class) is a :class:`PairmineError` subclass of pairmine's."""
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(module), name, None)
+    except Exception:  # noqa: BLE001 - a module that is not pairmine's (or not importable here) names no user error
+        return False
+    return isinstance(cls, type) and issubclass(cls, PairmineError)
 
 
 # What Ctrl-C (or SIGTERM) leaves, per command (printed after "pairmine: interrupted"; exit code 130, or 143).

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import tomllib
 
+from pairmine.operators.errors import PairmineError
 # The default model's anchor threshold, 0.675, was measured on the shipped sample with benchmarks/threshold_sweep.py:
 # the value at which the sample's eligible documents (>= 5 passages) come closest to the paper's 68% passage
 # coverage (69.2%). See docs/mining.md, "Anchor threshold". E5's value on FineWeb is 0.825 (seed 000).
@@ -28,8 +29,9 @@ def _f(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or out of range; the message names the field."""
+class ConfigError(PairmineError, ValueError):
+    """A configuration value is missing, unknown or out of range; the message names the field. User-fixable (the
+    CLI prints it as one line, exit 2)."""
 
 
 @dataclass

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pairmine.operators.errors import PairmineError
 from pairmine.operators.read import BLANK, jsonl_record
 from pairmine.operators.storage import LOCAL, Storage, join
 
@@ -52,9 +53,9 @@ PER_QUERY_FORMAT = "pairmine-eval-per-query/1"
 SKIP_EXAMPLES = 3  # line numbers kept per skip reason, to point the user at the bad lines
 
 
-class EvalInputError(ValueError):
+class EvalInputError(PairmineError, ValueError):
     """An evaluation input (BEIR folder, STS file, result file, run folder) cannot be used as given; the message
-    names the file and, where it helps, the line."""
+    names the file and, where it helps, the line. User-fixable."""
 
 
 @dataclass

@@ -254,7 +254,8 @@ LINEAGE_SECTIONS = ("chunk", "embed", "anchors", "related", "consistency", "tfid
 
 
 class LineageError(ConfigError):
-    """An incremental run whose group-deciding settings differ from the latest committed run's in the output."""
+    """An incremental run whose group-deciding settings differ from the latest committed run's in the output.
+    User-fixable (a :class:`ConfigError`, so a :class:`PairmineError`): the same settings, or another output."""
 
 
 def lineage_settings(config: dict, resolved: dict) -> dict:

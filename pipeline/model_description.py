@@ -22,6 +22,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from pairmine.operators.errors import PairmineError
+
 log = logging.getLogger("pairmine")
 
 DESCRIPTION_FILE = "pairmine_model.json"
@@ -30,8 +32,9 @@ DEFAULT_MINILM_THRESHOLD = 0.675  # docs/mining.md "Anchor threshold": the paper
 E5_THRESHOLD = 0.825  # seed 000, FineWeb with E5
 
 
-class ModelDescriptionError(ValueError):
-    """A model's :data:`DESCRIPTION_FILE` exists but cannot be used (not JSON, wrong types, newer format)."""
+class ModelDescriptionError(PairmineError, ValueError):
+    """A model's :data:`DESCRIPTION_FILE` exists but cannot be used (not JSON, wrong types, newer format).
+    User-fixable: the message names the file and the field."""
 
 
 @dataclass(frozen=True)

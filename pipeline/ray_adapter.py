@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pairmine.operators.errors import PairmineError
+
 log = logging.getLogger("pairmine")
 
 
@@ -202,13 +204,15 @@ def describe_cluster() -> str:
     return f"{gcs} ({len(nodes)} node(s), {int(res.get('CPU', 0))} CPUs, {int(res.get('GPU', 0))} GPUs)"
 
 
-class PlanError(ValueError):
-    """The stages cannot be placed on the Ray cluster as configured (the message says why and what to change)."""
+class PlanError(PairmineError, ValueError):
+    """The stages cannot be placed on the Ray cluster as configured (the message says why and what to change).
+    User-fixable."""
 
 
 class PrivateRayRefused(PlanError):
     """No Ray address, in a KubeRay submitter or a Ray job (:data:`JOB_ENVIRONMENT`): no private Ray is started
-    there unless asked for with ``ray.address = "local"``."""
+    there unless asked for with ``ray.address = "local"``. User-fixable (a :class:`PlanError`): the message says
+    which address to set."""
 
 
 MAX_ACTORS_PER_CPU = 10  # beyond this, each actor's CPU share is too small to be worth having (refused)
@@ -327,8 +331,9 @@ def plan_for(cfg, filter_actors: int, filter_enabled: bool = True, embed_actors:
                        light_cpus=r.task_cpus, embed_gpu_share=r.embed_gpu_share, **cluster)
 
 
-class StallError(RuntimeError):
-    """A pipeline made no progress for longer than ``ray.stall_limit_s`` (the message names what Ray cannot place)."""
+class StallError(PairmineError, RuntimeError):
+    """A pipeline made no progress for longer than ``ray.stall_limit_s`` (the message names what Ray cannot place).
+    User-fixable: the message says what to change (resources, actors, the limit)."""
 
 
 def pending_demands() -> list[tuple[dict, int]]:

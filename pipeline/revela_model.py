@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from pairmine.operators.embed import mean_pool
+from pairmine.operators.errors import PairmineError
 from pairmine.pipeline.revela import attention, batch_similarity, causal_mask, in_batch_attention, ntp_loss
 
 log = logging.getLogger("pairmine")
@@ -36,9 +37,9 @@ log = logging.getLogger("pairmine")
 LORA_TARGETS_LM = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-class UnsupportedDecoderError(ValueError):
+class UnsupportedDecoderError(PairmineError, ValueError):
     """The causal LM does not have the LLaMA / Qwen2 layout the in-batch stream is built on (the message says
-    what is missing)."""
+    what is missing). User-fixable: another ``train.revela_lm``."""
 
 
 def base_of(model: nn.Module) -> nn.Module:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from pairmine.operators.errors import PairmineError
 from pairmine.pipeline.config import ConfigError
 from pairmine.pipeline.provenance import SUCCESS_MARKER
 
@@ -67,9 +68,9 @@ def wrong_kind(run: str, kind: str | None, wanted: str, hint: str = "") -> str:
     return what + (f"; {hint}" if hint else "")
 
 
-class RunExistsError(RuntimeError):
+class RunExistsError(PairmineError, RuntimeError):
     """The run folder already holds a committed run (a ``_SUCCESS`` marker), or an attempt with other inputs or
-    config."""
+    config. User-fixable: another run id or output, or the same inputs and config."""
 
 
 @dataclass(frozen=True)

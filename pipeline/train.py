@@ -1150,12 +1150,19 @@ def check_train_model(cfg: TrainConfig) -> None:
 
 def check_revela_lm(cfg: TrainConfig) -> None:
     """Fail before Ray starts when ``train.revela_lm`` cannot be found or is not a causal LM of the layout Revela's
-    in-batch attention is built on (reads only its config).
+    in-batch attention is built on (reads only its config; the layout is checked on the model built from that
+    config on the meta device, no weights read or allocated: raised in the training workers instead, the error
+    would reach the CLI as Ray Train's traceback, after Ray started).
 
     Raises:
         ConfigError: naming ``train.revela_lm``.
+        UnsupportedDecoderError: naming ``train.revela_lm``: its layout (see
+            :func:`pipeline.revela_model.check_decoder`).
     """
-    from transformers import AutoConfig
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pairmine.pipeline.revela_model import UnsupportedDecoderError, check_decoder
 
     try:
         conf = AutoConfig.from_pretrained(cfg.train.revela_lm, trust_remote_code=cfg.train.trust_remote_code)
@@ -1165,6 +1172,17 @@ def check_revela_lm(cfg: TrainConfig) -> None:
     if getattr(conf, "is_encoder_decoder", False) or not hasattr(conf, "num_attention_heads"):
         raise ConfigError(f"train.revela_lm = {cfg.train.revela_lm!r} ({conf.model_type}) is not a decoder-only "
                           "causal LM")
+    try:
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(conf, trust_remote_code=cfg.train.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - the workers load it for real, and say what is wrong
+        log.debug("train.revela_lm = %r: no model built from its config on the meta device: %r",
+                  cfg.train.revela_lm, e)
+        return
+    try:
+        check_decoder(lm)
+    except UnsupportedDecoderError as e:
+        raise UnsupportedDecoderError(f"train.revela_lm = {cfg.train.revela_lm!r}: {e}") from None
 
 
 def storage_args(output: str, storage=None) -> dict:
@@ -1312,6 +1330,7 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
     Raises:
         FileNotFoundError, InputError: missing, incomplete or malformed groups, or too few groups for one batch.
         ConfigError: a bad combination of settings (batch size vs workers), a model that cannot be loaded.
+        UnsupportedDecoderError: ``train.revela_lm`` has not the LLaMA / Qwen2 layout (:func:`check_revela_lm`).
     """
     import ray
     import ray.data

@@ -22,12 +22,14 @@ import torch
 from torch import nn
 
 from pairmine.operators.embed import mean_pool
+from pairmine.operators.errors import PairmineError
 
 log = logging.getLogger("pairmine")
 
 
-class UnsupportedModelError(ValueError):
-    """The model has no masked-LM head class pairmine can use (the message names the model type)."""
+class UnsupportedModelError(PairmineError, ValueError):
+    """The model has no masked-LM head class pairmine can use (the message names the model type). User-fixable:
+    another ``train.model``."""
 
 
 def load_encoder_and_head(path: str, trust_remote_code: bool = False) -> tuple[nn.Module, nn.Module, bool]:

@@ -313,3 +313,44 @@ def test_the_merged_export_is_the_trained_retriever_not_the_start_model(tiny_mod
     assert cos(via_transformers, trained).min() >= 0.9999
     assert cos(via_st, trained).min() >= 0.9999
     assert cos(start, trained).min() < 0.999  # the export is not the start model (-0.47 measured)
+
+
+def test_a_decoder_without_the_llama_layout_is_one_cli_error_line(tiny_groups, tiny_model_dir, tmp_path, capsys):
+    """pairmine train --objective revela with a causal LM of another layout (a GPT-2, from its config alone): one
+    ``pairmine: error:`` line naming train.revela_lm and what is missing, exit 2, before Ray starts (no output
+    folder), not a traceback from the training workers (issue 41 item 3)."""
+    from transformers import GPT2Config
+
+    from pairmine.pipeline.cli import main
+
+    lm = tmp_path / "gpt2"
+    GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2).save_pretrained(lm)
+    out = tmp_path / "out"
+    code = main(["train", "--groups", str(tiny_groups), "--output", str(out), "--model", tiny_model_dir,
+                 "--objective", "revela", "--set", f"train.revela_lm={lm}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert [line for line in err.splitlines() if line.startswith("pairmine:")] == [
+        f"pairmine: error: train.revela_lm = '{lm}': GPT2LMHeadModel: no model.embed_tokens (Revela needs the "
+        "LLaMA / Qwen2 layout)"], err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_check_revela_lm_refuses_an_unsupported_decoder_before_ray(tmp_path):
+    """The driver's layout check (the model built from the config on the meta device) passes the Qwen2 layout and
+    raises UnsupportedDecoderError for what check_decoder refuses (here sliding-window attention)."""
+    from transformers import Qwen2Config
+
+    from pairmine.pipeline.train import check_revela_lm
+    from pairmine.pipeline.train_config import load_train_config
+
+    def check(conf):
+        path = tmp_path / str(len(list(tmp_path.iterdir())))
+        conf.save_pretrained(path)
+        check_revela_lm(load_train_config(overrides=["train.objective=revela", f"train.revela_lm={path}"]))
+
+    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64)
+    check(Qwen2Config(**tiny))
+    with pytest.raises(UnsupportedDecoderError, match="train.revela_lm = .*layer 0 uses sliding-window attention"):
+        check(Qwen2Config(**tiny, use_sliding_window=True, sliding_window=16, max_window_layers=0))
