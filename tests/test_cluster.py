@@ -141,6 +141,7 @@ def test_submit_script_exits_with_pairmines_own_code_when_the_job_fails(cluster,
     assert "ended FAILED (driver exit code 2;" in text and "exiting 2" in text
 
 
+@pytest.mark.slow  # ~3 min on CI; the submitted two-node job stays in the default run
 def test_a_lost_worker_node_ends_with_an_error_and_the_run_id_resumes(cluster, ray_local, tiny_run, tiny_model_dir,
                                                                       sample_dir, tmp_path):
     """The worker node's raylet is SIGKILLed in the main pass. The stage plan asked for both nodes' CPUs, so the

@@ -100,6 +100,7 @@ def test_pool_with_no_usable_passage_keeps_every_pair(tmp_path, out):
     assert s["pool_size"] == 0 and s["pairs_kept"] == 5 and s["reconciled"]
 
 
+@pytest.mark.slow  # ~2 min on CI; filter-pairs end to end (fiqa_run) stays in the default run
 @pytest.mark.parametrize("out", LOCAL_BY_DEFAULT, indirect=True)
 def test_pool_from_documents(tmp_path, sample_dir, out):
     true, shuffled = fiqa_pairs(100)

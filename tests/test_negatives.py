@@ -576,6 +576,7 @@ def test_queries_embedded_with_the_corpus_leave_the_pairs_pass_without_a_model(t
         assert len(got["negatives"]) == len(w["negatives"]) == 7
 
 
+@pytest.mark.slow  # ~1.5 min on CI; shard-by-shard search equals whole-corpus search in the default run
 def test_a_sharded_index_finds_the_negatives_of_one_index(tiny_run, tmp_path):
     """negatives.index_shards=3: the corpus index is built by three Ray tasks from the embedded blocks (no corpus
     passage in the driver) and searched by three search actors in a chain; the negatives are those of one exact
@@ -627,6 +628,7 @@ def test_a_sharded_index_finds_the_negatives_of_one_index(tiny_run, tmp_path):
     assert same >= 0.98 * len(rows), (same, len(rows))
 
 
+@pytest.mark.slow  # ~1.5 min on CI: Ray Train end to end; distillation's loss is tested in test_distill
 def test_train_on_negatives_with_teacher_scores(teacher_run, tiny_model_dir, tmp_path):
     """pairmine train --negatives: grouped batches (G x (1 + H)), alpha InfoNCE + (1 - alpha) KL, on Ray Train."""
     out, _ = teacher_run
@@ -676,6 +678,11 @@ def test_bad_input_is_one_line(tiny_run, tiny_model_dir, tmp_path):
     proc = _cli("--input", str(tmp_path / "no-pairs.parquet"), "--corpus", str(run_dir), "--output", str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
         f"pairmine: error: --input {tmp_path / 'no-pairs.parquet'}: no pairs (its 1 file(s) hold no rows)")
+
+
+@pytest.mark.slow  # ~2.5 min on CI: each case starts Ray; the checks before Ray above stay in the default run
+def test_bad_input_found_after_ray_starts_is_one_line(tiny_run, tiny_model_dir, tmp_path):
+    run_dir, _ = tiny_run
     # A corpus of skipped documents only: the error counts them.
     pq.write_table(pa.table({"id": ["a", "b", None], "text": [None, "  ", "x"]}), tmp_path / "skipped.parquet")
     proc = _cli("--input", str(run_dir), "--corpus", str(tmp_path / "skipped.parquet"), "--output", str(tmp_path),

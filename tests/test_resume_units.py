@@ -36,6 +36,7 @@ def mine_cmd(inp, root, run_id: str, model: str) -> list[str]:
             "--set", "ray.num_cpus=2", "--set", "consistency.side_output=true"]
 
 
+@pytest.mark.slow  # ~4 min on CI; the default run keeps a driver killed between commits (test_storage)
 def test_a_run_killed_mid_file_keeps_its_completed_row_groups(one_file, tiny_model_dir, tmp_path):
     root = tmp_path / "runs"
     o = Out(str(root), None)
@@ -85,6 +86,7 @@ def kill_after_first_commit_then_resume(cmd, root, log, job: str) -> tuple[int, 
     return committed, s, o.json("whole", "stats.json")
 
 
+@pytest.mark.slow  # ~3 min on CI; the same commit/resume machinery as mine's kill test in the default run
 def test_filter_pairs_killed_after_a_shard_commit_resumes_the_rest(tiny_model_dir, tmp_path):
     """filter-pairs commits each shard as soon as its pairs are staged; a killed run re-run with its --run-id keeps
     the committed shards and gives the uninterrupted run's pairs."""

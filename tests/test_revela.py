@@ -232,6 +232,7 @@ def tiny_lm_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # ~3.5 min on CI: Ray Train end to end; the objective's maths and errors stay in the default run
 def test_train_with_the_revela_objective(tiny_groups, tiny_model_dir, tiny_lm_dir, tmp_path):
     """pairmine train --objective revela on the tiny run's groups (2 CPU workers, gloo, a tiny Qwen2 from a config):
     every step logs the in-batch NTP loss and Sim's diagnostics; the loss falls; killed once after step 6's

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -157,7 +158,9 @@ def test_frozen_embedder_ends_the_run_and_the_run_id_resumes(tiny_model_dir, sam
     # the stall error.
     assert "nothing completed yet after" in err and "the first batch is still on its way" in err
     error = [line for line in err.splitlines() if line.startswith("pairmine: error:")]
-    assert len(error) == 1 and error[0].startswith("pairmine: error: stalled: nothing completed for 2")
+    # The limit is 20 s; under load the watch notices later (CI saw 32 s), never sooner.
+    idle = re.match(r"pairmine: error: stalled: nothing completed for (\d+) s", error[0]) if len(error) == 1 else None
+    assert idle and 20 <= int(idle.group(1)) < 300, error
     assert "a stage is running but not finishing" in error[0] and "--run-id frozen" in error[0]
     # The same command (default stall limits), nothing frozen now: the run completes from its run folder.
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)

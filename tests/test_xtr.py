@@ -145,6 +145,7 @@ def test_eval_xtr_scoring_with_every_token_retrieved_equals_sum_of_max(tiny_mode
     assert one.summary["retrieval"]["mean"]["recall@100"] <= exact.summary["retrieval"]["mean"]["recall@100"]
 
 
+@pytest.mark.slow  # ~3 min on CI: Ray Train end to end; the XTR step and scorers stay in the default run
 def test_train_with_the_xtr_objective_then_evaluate_with_xtr_scoring(tiny_groups, tiny_model_dir, tmp_path):
     """pairmine train --objective xtr on the tiny run's groups (2 CPU workers, gloo): every step logs the loss, the
     positive's probability and the share of query tokens that retrieved a token of their positive; the loss falls;
