@@ -330,14 +330,15 @@ class Storage:
         return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), p
 
     def info(self, path: str) -> dict | None:
-        """fsspec info of ``path`` (``type`` is ``file`` or ``directory``), None when it does not exist. Unlike
+        """fsspec info of ``path`` (``type`` is ``file`` or ``directory``), None when it does not exist, also when a
+        part of it is a file (``notes.txt/_SUCCESS`` under an output folder holding a user's file). Unlike
         ``fs.exists``/``fs.isfile``, which answer False when the store cannot be reached, errors are raised."""
         fs, p = self.fs(path)
 
         def info():
             try:
                 return fs.info(p)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 return None
 
         return self.retry("check", path, info)

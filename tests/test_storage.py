@@ -286,6 +286,20 @@ def test_s3_server_restarted_mid_run(eight_shards, tiny_model_dir, tmp_path, ref
         server.stop()
 
 
+def test_a_users_file_beside_the_runs_is_not_a_run(tmp_path):
+    """An output folder that holds a file of the user's (a pid file, notes) beside its runs: looking for a run's
+    marker under it answers "not there" instead of failing the whole command with NotADirectoryError."""
+    from pairmine.pipeline.mine import committed_runs
+
+    (tmp_path / "run.pid").write_text("123")
+    (tmp_path / "night-1").mkdir()
+    (tmp_path / "night-1" / "_SUCCESS").write_text("")
+    (tmp_path / "night-1" / "manifest.json").write_text(json.dumps({"run_id": "night-1", "job": "mine"}))
+    st = Storage()
+    assert st.info(str(tmp_path / "run.pid" / "_SUCCESS")) is None and not st.exists(str(tmp_path / "run.pid" / "x"))
+    assert [r["run_id"] for r in committed_runs(str(tmp_path), st)] == ["night-1"]
+
+
 def test_storage_down_fails_clearly_with_the_path(tmp_path):
     from tests.s3server import free_port
 
