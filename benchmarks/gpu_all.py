@@ -32,6 +32,13 @@ time limit is recorded as failed with the tail of its output; the others still r
                shape (hidden 896, 24 layers, 14 heads, 2 key/value heads, intermediate 4864) built from a Qwen2Config
                with random weights and the same tokenizer, LoRA rank 256 on both, 4 groups (20 passages) of <= 160
                tokens per step (the seed's 16 passages of 160 tokens); MFU from torch's FLOP counter only
+  ablation     (optional: --parts ablation; estimated ~4 min, not yet run on a GPU) pairmine ablate on one GPU:
+               ``pairmine mine`` of the shipped sample with the default model (its ~2,100 groups), then the four arms
+               (start, xprt, random, crop) of the scratch regime with a BERT-base-sized proxy (train.scratch_*: 12
+               layers x 768, 12 heads, 3072) from random init, 300 steps of 64 pairs x 128 tokens, 1 seed, bf16,
+               evaluated on tests/data/fiqa-pairs-beir and STS-B test (tests/data/stsbenchmark); records every arm's
+               nDCG@10, Recall@100 and Spearman, the p-values against random and start, steps/s and wall time per
+               unit (ablation.json's figures), and the wall time of mining and of the ablation
   negatives    (optional: --parts negatives; ~1 min) queries/s of the hard-negative search of one exact
                1,000,000 x 768 shard, top 200: pairmine's torch engine on the GPU (TorchFlatSearch, 8,192 queries in
                batches of 1,024) against faiss IndexFlatIP on the CPU (1,024 queries), and whether their lists agree
@@ -94,6 +101,9 @@ SIZES = {
 
         "negatives": {"shard": 1_000_000, "dim": 768, "queries": 8192, "faiss_queries": 1024, "depth": 200,
                       "batch": 1024},
+        "ablation": {"seeds": 1, "set": ["train.scratch_layers=12", "train.scratch_hidden=768",
+                                         "train.scratch_heads=12", "train.scratch_intermediate=3072",
+                                         "train.max_steps=300", "checkpoint.every_steps=150"]},
     },
     "cpu-smoke": {
         "model": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128},
@@ -108,14 +118,18 @@ SIZES = {
                                 "num_key_value_heads": 2, "intermediate_size": 64}},
 
         "negatives": {"shard": 20_000, "dim": 64, "queries": 256, "faiss_queries": 128, "depth": 200, "batch": 64},
+        "ablation": {"seeds": 1, "quick": True, "docs": 60,
+                     "mine_set": ["embed.model={tiny}", "anchors.threshold=0.99", "consistency.pool_size=400"],
+                     "set": ["train.scratch_layers=1", "train.scratch_hidden=32", "train.scratch_heads=2",
+                             "train.scratch_intermediate=64", "train.max_steps=2"]},
     },
 }
 TIMEOUT_S = {"gpu": {"embed": 120, "consistency": 120, "train": 180, "train_xtr": 60, "train_revela": 110,
-                     "negatives": 90},
+                     "negatives": 90, "ablation": 420},
              "cpu-smoke": {"embed": 120, "consistency": 120, "train": 120, "train_xtr": 120, "train_revela": 120,
-                           "negatives": 120}}
+                           "negatives": 120, "ablation": 600}}
 PARTS = ("embed", "consistency", "train", "train_xtr", "train_revela")
-OPTIONAL_PARTS = ("negatives",)  # not in the default run (its limits already sum to 590 s): --parts negatives
+OPTIONAL_PARTS = ("negatives", "ablation")  # not in the default run (its limits already sum to 590 s): --parts ...
 OBJECTIVE = {"train": "xprt", "train_xtr": "xtr", "train_revela": "revela"}
 
 
@@ -285,6 +299,52 @@ def part_negatives(sizes: dict, device: str) -> dict:
     }
 
 
+def part_ablation(sizes: dict, device: str, work: Path) -> dict:
+    """``pairmine mine`` of the shipped sample, then ``pairmine ablate`` (scratch regime, the sizes of
+    ``sizes["ablation"]``) through the CLI as a user runs them; the figures of its ablation.json. On CPU (smoke) the
+    mine uses a tiny BERT built from a config and the first ``docs`` documents, and the ablation runs ``--quick``."""
+    import pyarrow.parquet as pq
+
+    from pairmine.pipeline.inputs import SAMPLE_DIR
+
+    s = sizes["ablation"]
+    cli = [sys.executable, "-m", "pairmine.pipeline.cli"]
+    runs, out = work / "runs", work / "ablation"
+    mine_args = ["mine", "--output", str(runs), "--run-id", "sample"]
+    if "docs" in s:  # smoke: a few documents and a tiny encoder
+        tiny = work / "tiny-bert"
+        build_model(tiny, SIZES["cpu-smoke"]["model"])
+        pq.write_table(pq.read_table(sorted(SAMPLE_DIR.glob("*.parquet"))[0]).slice(0, s["docs"]), work / "docs.parquet")
+        mine_args += ["--input", str(work / "docs.parquet")]
+        for item in s.get("mine_set", []):
+            mine_args += ["--set", item.format(tiny=tiny)]
+    t0 = time.perf_counter()
+    p = subprocess.run(cli + mine_args, cwd=ROOT, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"pairmine mine failed:\n{(p.stdout + p.stderr)[-3000:]}")
+    mine_s = time.perf_counter() - t0
+    args = ["ablate", "--groups", str(runs / "sample"), "--beir", str(ROOT / "tests/data/fiqa-pairs-beir"),
+            "--sts", str(ROOT / "tests/data/stsbenchmark/sts-test.csv"), "--output", str(out),
+            "--seeds", str(s["seeds"])] + (["--quick"] if s.get("quick") else [])
+    for item in s["set"]:
+        args += ["--set", item]
+    t0 = time.perf_counter()
+    p = subprocess.run(cli + args, cwd=ROOT, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"pairmine ablate failed:\n{(p.stdout + p.stderr)[-3000:]}")
+    ablate_s = time.perf_counter() - t0
+    summary = json.loads((out / "ablation.json").read_text())
+    units = {name: {"wall_s": u["wall_s"], "steps": u["steps"], "scores": u["scores"],
+                    "steps_per_s": sig(u["steps"] / u["wall_s"]) if u["steps"] and u["wall_s"] else None}
+             for name, u in summary["units"].items()}
+    return {"what": "pairmine mine (shipped sample) then pairmine ablate, scratch regime, through the CLI",
+            "device": device, "proxy": summary["proxy"], "steps": summary["steps"],
+            "pairs_per_step": summary["pairs_per_step"], "groups_in_run": summary["groups_in_run"],
+            "aggregate": summary["aggregate"], "p_values": summary["p_values"], "units": units,
+            "mine_wall_s": round(mine_s, 1), "ablate_wall_s": round(ablate_s, 1), "sizes": s,
+            "table_md": (out / "ablation.md").read_text()}
+
+
 def build_lm(folder: Path, lm_sizes: dict) -> None:
     """A Qwen2 causal LM of ``lm_sizes`` built from a config with random weights and the default model's tokenizer,
     saved to ``folder`` (Revela's LM; no hub)."""
@@ -427,6 +487,8 @@ def main() -> int:
             result = part_embed(sizes, device, Path(args.model_dir))
         elif args.part == "negatives":
             result = part_negatives(sizes, device)
+        elif args.part == "ablation":
+            result = part_ablation(sizes, device, Path(args.work))
         elif args.part in OBJECTIVE:
             result = part_train(sizes, device, Path(args.model_dir), Path(args.work),
                                 args.train_batch or sizes[args.part]["batch"], args.part)

@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_all.sh                     # writes $OUT/gpu_all.json if $OUT is set, else ./gpu_all.json
 #   bash benchmarks/gpu_all.sh results/h200.json   # or the path given
 #   bash benchmarks/gpu_all.sh --cpu-smoke /tmp/smoke.json   # the same code on the CPU with tiny sizes (~1 minute)
+#   bash benchmarks/gpu_all.sh abl.json --parts ablation      # the optional ablation part (pairmine ablate of a
+#                                                  # BERT-base-sized scratch proxy, 4 arms, 1 seed; estimated ~4 min)
 # Exit code 0 when every part produced its figures, 1 when one failed (the JSON says which, with its output's tail).
 set -euo pipefail
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
