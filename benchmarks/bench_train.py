@@ -91,6 +91,7 @@ def bench_step(args, run_dir: Path) -> dict:
                  f"train.objective={objective}"]
     if args.model:
         overrides.append(f"train.model={args.model}")
+    overrides += list(getattr(args, "set", None) or [])
     if objective == "revela":
         overrides.append(f"train.revela_lm={args.revela_lm}")
     cfg = load_train_config(overrides=overrides)
@@ -185,6 +186,8 @@ def bench_memory(args) -> list[dict]:
             cmd += ["--model", args.model]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
+        for item in args.set or []:
+            cmd += ["--set", item]
         out = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in out.stdout.splitlines() if x.startswith('{"mode": "memory"')), None)
         if line is None:
@@ -236,6 +239,8 @@ def main() -> None:
     p.add_argument("--batches", default="16,32,64", help="memory mode: batch sizes (groups per worker)")
     p.add_argument("--memory-step", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="", help="starting encoder (default: all-MiniLM-L6-v2)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="step and memory modes: a pairmine train key, e.g. --set loss.w_cross=0 (repeatable)")
     p.add_argument("--objective", default="xprt", choices=("xprt", "xtr", "revela"),
                    help="step mode: the objective whose step is timed (default xprt)")
     p.add_argument("--revela-lm", default="", help="--objective revela: the causal LM (folder)")
