@@ -210,7 +210,7 @@ positive changes):
 Regimes:
   scratch  (default) a 4-layer, 256-wide BERT (train.scratch_*) with the default model's tokenizer, random init, L_xp
            alone: 80 steps of 64 pairs x 128 tokens per arm (--quick: 12 steps of 16 x 64); the default on ~10k
-           groups with 2 seeds, evaluated on fiqa + STS-B, takes ~55 min on 2 CPU cores
+           groups with 2 seeds, evaluated on fiqa + STS-B, took 24 min on 2 CPU cores (docs/evaluation.md)
   continue the run's embedding model continued with the full xPRT objective: 60 steps of 16 groups
 
 Output: OUT/ablation.json, OUT/ablation.md (the table), OUT/ablation.html (the table and a plot),

@@ -265,7 +265,7 @@ def _load_models(cfg: TrainConfig, objective: str | None = None):
     from transformers import AutoTokenizer
 
     from pairmine.operators.embed import default_model_path
-    from pairmine.pipeline.xprt import head_rows_per_chunk
+    from pairmine.pipeline.xprt import decoder_rows_per_chunk, head_rows_per_chunk
     from pairmine.pipeline.xprt_model import XPRTModel, build_scratch_encoder, load_encoder_and_head
 
     t = cfg.train
@@ -285,8 +285,10 @@ def _load_models(cfg: TrainConfig, objective: str | None = None):
         encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(t.seed)  # the new modules start the same on every worker (DDP also broadcasts rank 0's)
     vocab = encoder.get_input_embeddings().num_embeddings  # the head predicts through the tied token table
+    dec_rows = decoder_rows_per_chunk(int(encoder.config.num_attention_heads), t.max_length + cfg.loss.n_cond,
+                                      cfg.loss.head_chunk_mb)
     model = XPRTModel(encoder, head, cfg.loss.n_cond, terms, head_rows_per_chunk(vocab, cfg.loss.head_chunk_mb),
-                      t.gradient_checkpointing)
+                      t.gradient_checkpointing, dec_rows)
     if t.attention_dropout >= 0 and model.decoder is not None:
         model.decoder.self_attn.dropout = t.attention_dropout
     return tokenizer, model, frozen, fresh_head

@@ -154,13 +154,16 @@ class XPRTModel(nn.Module):
             :func:`pipeline.xprt.head_rows_per_chunk`).
         checkpoint_decoder: recompute the decoder layer's activations in the backward pass (activation
             checkpointing) instead of keeping them (``train.gradient_checkpointing``).
+        decoder_rows: with ``checkpoint_decoder``, the decoder runs and is recomputed ``decoder_rows`` rows at a
+            time (:func:`pipeline.xprt.decoder_rows_per_chunk`), so its attention tensors stay bounded at any batch;
+            0: all rows at once. Rows are independent, so the result is the same.
 
     Raises:
         ValueError: a term that needs the head without one, or an unknown term.
     """
 
     def __init__(self, encoder: nn.Module, head: nn.Module | None, n_cond: int = 4, terms=TERMS,
-                 head_rows: int = 8192, checkpoint_decoder: bool = False):
+                 head_rows: int = 8192, checkpoint_decoder: bool = False, decoder_rows: int = 0):
         super().__init__()
         unknown = set(terms) - set(TERMS)
         if unknown:
@@ -173,6 +176,7 @@ class XPRTModel(nn.Module):
         self.encoder, self.n_cond, self.dim, self.terms, self.head_rows = encoder, n_cond, dim, terms, head_rows
         self.head = head if terms else None
         self.checkpoint_decoder = checkpoint_decoder
+        self.decoder_rows = decoder_rows  # rows per checkpointed decoder chunk; 0: all rows at once
         self.cond = self.decoder = None
         if "cross" in terms or "self" in terms:
             self.cond = nn.Linear(dim, n_cond * dim)
@@ -253,7 +257,9 @@ class XPRTModel(nn.Module):
         if self.checkpoint_decoder and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
-            dec = checkpoint(lambda v, m: self.decoder(v, src_key_padding_mask=m), x, pad, use_reentrant=False)
+            step = self.decoder_rows or len(x)  # each chunk of rows is recomputed on its own in the backward pass
+            dec = torch.cat([checkpoint(lambda v, m: self.decoder(v, src_key_padding_mask=m), x[i:i + step],
+                                        pad[i:i + step], use_reentrant=False) for i in range(0, len(x), step)])
         else:
             dec = self.decoder(x, src_key_padding_mask=pad)  # (dec_rows, n_cond + seq, dim)
         dec = torch.cat([dec[:, :1], dec[:, 1 + self.n_cond:]], 1)  # (dec_rows, seq, dim) token positions only

@@ -613,6 +613,45 @@ def test_model_passes_shapes_on_a_tiny_bert(tiny_model_dir):
     assert retention_kl(cur[:g], cur[g:2 * g], frz[:g], frz[g:2 * g]).item() == pytest.approx(0.0, abs=1e-6)
 
 
+def test_the_decoder_recomputed_a_chunk_of_rows_at_a_time_gives_the_same_losses_and_gradients(tiny_model_dir):
+    """Issue 40 item 1: with gradient checkpointing the decoder layer runs and is recomputed decoder_rows rows at a
+    time, so its attention (rows x heads x seq^2) stays bounded at any batch; rows are independent, so losses and
+    every gradient equal those of all rows at once (dropout off, as in eval)."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from pairmine.pipeline.xprt import decoder_rows_per_chunk, mask_tokens
+    from pairmine.pipeline.xprt_model import XPRTModel, load_encoder_and_head
+
+    assert decoder_rows_per_chunk(12, 260, 256) == 27 and decoder_rows_per_chunk(12, 260, 0.001) == 1
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    encoder, head, _ = load_encoder_and_head(tiny_model_dir)
+    torch.manual_seed(0)
+    whole = XPRTModel(encoder, head, n_cond=4, checkpoint_decoder=True, decoder_rows=0).eval()
+    chunked = copy.deepcopy(whole)
+    chunked.decoder_rows = 3  # 30 decoder rows (8 cross + 2 self per group, 3 groups) in 10 chunks
+    g = 3
+    texts = [f"passage number {i} of group {j} with some words and more" for i in range(5) for j in range(g)]
+    enc = tok(texts, padding=True, return_tensors="pt")
+    ids, attn = enc["input_ids"], enc["attention_mask"]
+    special = torch.isin(ids, torch.tensor(tok.all_special_ids)) | (attn == 0)
+    gen = torch.Generator().manual_seed(0)
+    e_ids, e_ch = mask_tokens(ids, special, 0.15, gen, tok.mask_token_id, len(tok), 0.1, 0.1)
+    d_ids, d_ch = mask_tokens(ids, special, 0.6, gen, tok.mask_token_id, len(tok))
+    outs = []
+    for m in (whole, chunked):
+        out = m(e_ids, attn, e_ch, ids, d_ids, d_ch, g)
+        (out.l_cross + out.l_self).backward()
+        outs.append((float(out.l_cross), float(out.l_self), {n: p.grad.clone() for n, p in m.named_parameters()
+                                                              if p.grad is not None}))
+    (c0, s0, g0), (c1, s1, g1) = outs
+    assert c1 == pytest.approx(c0, rel=1e-5) and s1 == pytest.approx(s0, rel=1e-5) and c0 > 0 and s0 > 0
+    assert g0.keys() == g1.keys() and any(n.startswith("decoder.") for n in g0)
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], rtol=1e-4, atol=1e-6), n
+
+
 def test_random_positives_through_ray_data(tiny_groups):
     import ray.data  # Ray is up: mining the tiny groups started it (or found the session's)
 
