@@ -6,10 +6,12 @@ region and, only when given in config, credentials) to every Ray task, and wraps
 are retried with bounded exponential backoff; every other error fails at once, with the path in its message
 (STYLE practice 6: "retry only errors known to be transient").
 
-Endpoint and credentials come, in this order, from the config (``[storage]``), else the standard AWS environment
-(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``,
-``AWS_DEFAULT_REGION``), which s3fs/botocore read themselves. Credentials are never written into a manifest, a log
-line or an error message: :meth:`Storage.__repr__` and :func:`redact` hide them.
+Endpoint, region and credentials come from the config (``[storage]``), else the standard AWS environment and
+profile, resolved once per process with botocore's rules (:mod:`operators.s3config`, which gives the order); s3fs and
+every pyarrow filesystem (:meth:`Storage.arrow_filesystem`: Ray Data's reads, Ray Train's checkpoints) get the same
+values (:meth:`Storage.s3`). An ``ExpiredToken`` error asks the credential provider once for new credentials and
+retries; otherwise it is one :class:`CredentialsExpiredError` saying how to renew them. Credentials are never
+written into a manifest, a log line or an error message: :meth:`Storage.__repr__` and :func:`redact` hide them.
 
 Atomic publication: on a local disk a file is written under a hidden temporary name (``.name.tmp-<uuid>``) in the
 target folder and renamed; on an object store a PUT (or a completed multipart upload) makes an object visible only
@@ -45,6 +47,20 @@ _SECRET_KEYS = ("key", "secret", "token", "access_key_id", "secret_access_key", 
 class StorageError(PairmineError, OSError):
     """A storage operation failed for good (not transient, or still failing after the retries); the message names
     the operation and the path, never a credential. User-fixable (path, permissions, credentials, endpoint)."""
+
+
+class CredentialsExpiredError(StorageError):
+    """The S3 credentials expired and their provider gave no new ones (or the new ones expired too); the message
+    names the operation, the path, where the credentials came from and how to renew them."""
+
+
+def expired_message(what: str, path: str, settings, renewed: bool) -> str:
+    """The one-line message of a :class:`CredentialsExpiredError` for ``what`` on ``path`` with ``settings`` (an
+    :class:`operators.s3config.S3Settings`); ``renewed``: the provider gave new credentials, refused as expired too
+    (else it gave none new)."""
+    again = " and the renewed ones were refused too" if renewed else " and their provider gives no new ones"
+    return (f"{what} {path} failed: the S3 credentials (from {settings.credentials_source}) have expired{again}; "
+            f"{settings.renew_hint}, then run the same command again (a run resumes where it stopped)")
 
 
 def is_transient(error: BaseException) -> bool:
@@ -117,19 +133,24 @@ class Storage:
         return (f"Storage(endpoint_url={self.endpoint_url!r}, region={self.region!r}, attempts={self.attempts}, "
                 f"credentials={'from config' if self.access_key_id else 'from the environment'})")
 
+    def s3(self):
+        """The :class:`operators.s3config.S3Settings` every S3 client of this process gets: endpoint, region and
+        credentials of ``[storage]``, else of the AWS environment and profile (botocore's resolution), with the
+        source of each (``.describe()``). Resolved once per process; renewed credentials of a provider show here.
+
+        Raises:
+            operators.s3config.S3ConfigError: the AWS configuration cannot be read (unknown ``AWS_PROFILE``, ...).
+        """
+        from pairmine.operators.s3config import resolve
+
+        return resolve(self.endpoint_url, self.region, self.access_key_id, self.secret_access_key,
+                       self.session_token)
+
     def options(self, path: str) -> dict:
-        """fsspec storage options for ``path`` (empty for local paths)."""
+        """fsspec storage options for ``path`` (empty for local paths): for ``s3://``, :meth:`s3`'s values."""
         if is_local(path) or not path.startswith(("s3://", "s3a://")):
             return {}
-        opts: dict = {}
-        if self.endpoint_url:
-            opts["endpoint_url"] = self.endpoint_url
-        if self.region:
-            opts["client_kwargs"] = {"region_name": self.region}
-        if self.access_key_id:
-            opts["key"], opts["secret"] = self.access_key_id, self.secret_access_key
-            if self.session_token:
-                opts["token"] = self.session_token
+        opts = self.s3().s3fs_options()
         # botocore's own retries stay short; the backoff that rides out an outage is ours (retry()).
         opts["config_kwargs"] = {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5,
                                  "read_timeout": 60}
@@ -145,21 +166,42 @@ class Storage:
     def retry(self, what: str, path: str, fn: Callable[[], T]) -> T:
         """Run ``fn()``; retry transient errors with bounded backoff, fail at once on any other.
 
+        An ``ExpiredToken`` error (:func:`operators.s3config.is_expired_token`) asks the credential provider once for
+        new credentials and retries with them (``fn`` must get its filesystem from :meth:`fs` inside, so that it
+        uses them).
+
         Raises:
             FileNotFoundError: as raised (never retried).
+            CredentialsExpiredError: the credentials expired and their provider gave no new ones, or the new ones
+                were refused as expired too.
             StorageError: ``what`` failed on ``path``: any other OSError (permission denied included) or error of
                 the S3 client (no credentials, ...), at once; a transient error after ``attempts`` tries. The
                 message names the path.
             Exception: errors that are not about storage (a missing column, a corrupt file) are re-raised as they
                 are, at once.
         """
-        wait = self.backoff_s
-        for attempt in range(1, self.attempts + 1):
+        from pairmine.operators.s3config import is_expired_token, refresh
+
+        wait, asked_again, attempt = self.backoff_s, False, 0
+        while attempt < self.attempts:
+            attempt += 1
             try:
                 return fn()
             except (FileNotFoundError, StorageError):
                 raise
             except Exception as e:  # classified below: transient ones are retried, the rest fail at once
+                if not is_local(path) and is_expired_token(e):
+                    settings = self.s3()
+                    if not asked_again:  # once: a provider that renews credentials may have new ones
+                        asked_again = True
+                        renewed = refresh(self.endpoint_url, self.region, self.access_key_id,
+                                          self.secret_access_key, self.session_token)
+                        if renewed is not None:
+                            _invalidate(path, self)
+                            attempt -= 1  # the try with the renewed credentials is not one of the attempts
+                            continue
+                        raise CredentialsExpiredError(expired_message(what, path, settings, False)) from e
+                    raise CredentialsExpiredError(expired_message(what, path, settings, True)) from e
                 transient = is_transient(e)
                 if transient and attempt < self.attempts:
                     _invalidate(path, self)
@@ -173,20 +215,29 @@ class Storage:
                 if transient or isinstance(e, OSError) or storage_side:
                     detail = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                     tries = f" after {attempt} tries" if transient else ""
-                    raise StorageError(f"{what} {path} failed{tries}: {detail}") from e
+                    raise StorageError(f"{what} {path} failed{tries}: {detail}{self._where(path)}") from e
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _where(self, path: str) -> str:
+        """`` (S3: endpoint ... (from ...), region ..., credentials from ...)`` for an s3:// path, to end an error
+        message with the values every client used and where they came from (never a credential); else ``""``."""
+        if not path.startswith(("s3://", "s3a://")):
+            return ""
+        try:
+            return f" (S3: {self.s3().describe()})"
+        except Exception:  # noqa: BLE001 - the message of the error being raised matters more
+            return ""
+
     # ---- the operations a run uses ---------------------------------------------------------------------------
+    # Each operation gets its filesystem inside the retried function: a retry after renewed credentials uses them.
     def read_bytes(self, path: str) -> bytes:
-        fs, p = self.fs(path)
-        return self.retry("read", path, lambda: fs.cat_file(p))
+        return self.retry("read", path, lambda: _call(self.fs(path), "cat_file"))
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
-        fs, p = self.fs(path)
-
         def put():
+            fs, p = self.fs(path)
             if is_local(path):
                 folder, name = p.rsplit("/", 1) if "/" in p else (".", p)
                 fs.makedirs(folder, exist_ok=True)
@@ -209,9 +260,8 @@ class Storage:
         """
         if not is_local(path):
             raise ValueError(f"append {path}: object storage has no append; write the whole file")
-        fs, p = self.fs(path)
-
         def add():
+            fs, p = self.fs(path)
             with fs.open(p, "ab") as f:
                 f.write(data)
 
@@ -249,7 +299,7 @@ class Storage:
             if is_local(path):
                 fs.mv(tmp, p)
             else:
-                self.retry("write", path, lambda: fs.put_file(tmp, p))
+                self.retry("write", path, lambda: _call(self.fs(path), "put_file", tmp))
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
@@ -293,9 +343,10 @@ class Storage:
         """
         import glob as _glob
 
-        fs, root = self.fs(path)
+        _, root = self.fs(path)
 
         def listing() -> tuple[str, list[tuple[str, dict]]]:
+            fs = self.fs(path)[0]
             fs.invalidate_cache()
             if _glob.has_magic(root):
                 kind, found = "glob", {p: fs.info(p) for p in fs.glob(root)}
@@ -319,23 +370,37 @@ class Storage:
         return [p for p, _ in found] if kind == "folder" else []
 
     def arrow_filesystem(self, path: str):
-        """(pyarrow filesystem, path for it) for a reader library that takes one (Ray Data's ``read_parquet``):
-        this storage's fsspec filesystem (endpoint, region, credentials of ``[storage]``) wrapped for pyarrow.
-        Its reads are the library's, not retried here."""
+        """(pyarrow filesystem, path for it) for a library that takes one (Ray Data's ``read_parquet``, Ray Train's
+        ``storage_filesystem``), with the values of :meth:`s3` for ``s3://``: a ``pyarrow.fs.S3FileSystem``
+        (endpoint_override/scheme, region, access key, secret, session token; the path is ``bucket/key``), or,
+        when the credentials come from a provider that renews them, this storage's s3fs looked up at every call
+        (:class:`operators.s3config.CurrentS3Handler`: a snapshot given to pyarrow would expire inside a long
+        training run). Local paths: a ``LocalFileSystem``; other URLs: their fsspec filesystem wrapped for pyarrow.
+        Its reads and writes are the library's, not retried here.
+
+        Raises:
+            operators.s3config.S3ConfigError: as :meth:`s3`.
+        """
         import pyarrow.fs as pafs
 
         fs, p = self.fs(path)
         if is_local(path):
             return pafs.LocalFileSystem(), p
-        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), p
+        if not path.startswith(("s3://", "s3a://")):
+            return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), p
+        from pairmine.operators.s3config import CurrentS3Handler
+
+        settings = self.s3()
+        if settings.refreshable:
+            return pafs.PyFileSystem(CurrentS3Handler(self)), p
+        return pafs.S3FileSystem(**settings.pyarrow_options(bucket=p.split("/", 1)[0])), p
 
     def info(self, path: str) -> dict | None:
         """fsspec info of ``path`` (``type`` is ``file`` or ``directory``), None when it does not exist, also when a
         part of it is a file (``notes.txt/_SUCCESS`` under an output folder holding a user's file). Unlike
         ``fs.exists``/``fs.isfile``, which answer False when the store cannot be reached, errors are raised."""
-        fs, p = self.fs(path)
-
         def info():
+            fs, p = self.fs(path)
             try:
                 return fs.info(p)
             except (FileNotFoundError, NotADirectoryError):
@@ -348,9 +413,8 @@ class Storage:
 
     def ls(self, path: str) -> list[str]:
         """Full paths (with the URL's protocol) of the entries directly under folder ``path``; [] if it is missing."""
-        fs, p = self.fs(path)
-
         def listing():
+            fs, p = self.fs(path)
             fs.invalidate_cache(p)
             try:
                 return fs.ls(p, detail=False)
@@ -361,9 +425,8 @@ class Storage:
 
     def rm(self, path: str) -> None:
         """Remove a file or a folder tree; a missing path is fine."""
-        fs, p = self.fs(path)
-
         def remove():
+            fs, p = self.fs(path)
             fs.invalidate_cache(p)
             try:
                 fs.rm(p, recursive=True)
@@ -374,8 +437,7 @@ class Storage:
 
     def makedirs(self, path: str) -> None:
         if is_local(path):
-            fs, p = self.fs(path)
-            self.retry("create folder", path, lambda: fs.makedirs(p, exist_ok=True))
+            self.retry("create folder", path, lambda: _call(self.fs(path), "makedirs", exist_ok=True))
 
     @staticmethod
     def url(like: str, path: str) -> str:
@@ -393,6 +455,13 @@ def join(folder: str, *names: str) -> str:
     if "://" not in folder:
         return os.path.join(folder, *names)
     return "/".join([folder.rstrip("/"), *names])
+
+
+def _call(fs_and_path, method: str, *args, **kwargs):
+    """``fs.<method>(*args, path, **kwargs)`` for ``(fs, path)`` of :meth:`Storage.fs` (``put_file``: the local
+    file first, as ``args``)."""
+    fs, p = fs_and_path
+    return getattr(fs, method)(*args, p, **kwargs)
 
 
 def _invalidate(path: str, storage: Storage) -> None:

@@ -70,7 +70,7 @@ what it does:
   cluster that happens to run there (the manifest's resolved.ray says which Ray was used).
 
 output (<output>/<run_id>/; <output> may be s3://bucket/prefix, endpoint and credentials from the AWS environment
-(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) or [storage]):
+(AWS_ENDPOINT_URL_S3, AWS_PROFILE, ...) or [storage], the same for every client):
   groups/part-NNNNN.parquet   training groups, one part per input shard (zstd), each committed on its own
   stats.json                  counts, drops by reason, the paper's figures, histograms
   manifest.json               resolved config, model, inputs, per-shard status, software versions

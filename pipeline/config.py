@@ -121,8 +121,10 @@ class TfidfConfig:
 
 @dataclass
 class StorageConfig:
-    endpoint_url: str = _f("", "S3 endpoint for s3:// paths, e.g. http://127.0.0.1:8333; empty: $AWS_ENDPOINT_URL, else AWS")
-    region: str = _f("", "S3 region; empty: $AWS_DEFAULT_REGION / the AWS profile's")
+    endpoint_url: str = _f("", "S3 endpoint for s3:// paths (s3fs and pyarrow alike), e.g. http://127.0.0.1:8333; "
+                           "empty: $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, the AWS profile's, else AWS")
+    region: str = _f("", "S3 region; empty: $AWS_DEFAULT_REGION / the AWS profile's, else us-east-1 (an endpoint of "
+                     "your own) or the bucket's (AWS)")
     access_key_id: str = _f("", "S3 access key id; empty: $AWS_ACCESS_KEY_ID / AWS_PROFILE (preferred: keep credentials "
                            "out of config files). Never written to the manifest or logs")
     secret_access_key: str = _f("", "S3 secret key; empty: $AWS_SECRET_ACCESS_KEY / AWS_PROFILE. Never written anywhere")

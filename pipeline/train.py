@@ -1188,25 +1188,19 @@ def check_revela_lm(cfg: TrainConfig) -> None:
 
 
 def storage_args(output: str, storage=None) -> dict:
-    """Ray Train's storage for ``output``: the path itself, or for ``s3://`` with an endpoint (``storage.endpoint_url``,
-    else ``$AWS_ENDPOINT_URL``: an S3-compatible server), a pyarrow S3FileSystem with that endpoint, ``[storage]``'s
-    region and credentials when set there (else the AWS environment's), and the bucket path (pyarrow does not read
-    the variable itself; s3fs, used for everything else, does)."""
-    from pairmine.operators.storage import LOCAL
+    """Ray Train's storage for ``output``: the path itself when local; for ``s3://``, ``storage``'s pyarrow
+    filesystem (:meth:`operators.storage.Storage.arrow_filesystem`: the endpoint, region and credentials that s3fs
+    gets for every other read and write, from ``[storage]`` or the AWS environment and profile) and the bucket path.
+
+    Raises:
+        operators.s3config.S3ConfigError: the AWS configuration cannot be read."""
+    from pairmine.operators.storage import LOCAL, is_local
 
     storage = storage or LOCAL
-    endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
-    if not output.startswith("s3://") or not endpoint:
+    if is_local(output) or not output.startswith("s3://"):
         return {"storage_path": output}
-    import pyarrow.fs
-
-    scheme = "http" if endpoint.startswith("http://") else "https"
-    options = {"region": storage.region} if storage.region else {}
-    if storage.access_key_id:
-        options.update(access_key=storage.access_key_id, secret_key=storage.secret_access_key,
-                       session_token=storage.session_token or None)
-    fs = pyarrow.fs.S3FileSystem(endpoint_override=endpoint.split("://", 1)[-1], scheme=scheme, **options)
-    return {"storage_path": output[len("s3://"):], "storage_filesystem": fs}
+    fs, path = storage.arrow_filesystem(output)
+    return {"storage_path": path, "storage_filesystem": fs}
 
 
 class TrainingMemoryError(ConfigError):
@@ -1333,12 +1327,16 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
         FileNotFoundError, InputError: missing, incomplete or malformed groups, or too few groups for one batch.
         ConfigError: a bad combination of settings (batch size vs workers), a model that cannot be loaded.
         UnsupportedDecoderError: ``train.revela_lm`` has not the LLaMA / Qwen2 layout (:func:`check_revela_lm`).
+        CredentialsExpiredError: the S3 credentials expired during the run (Ray Train's checkpoints and Ray Data's
+            reads go through pyarrow, outside :meth:`Storage.retry`); the message says how to renew them.
     """
     import ray
     import ray.data
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from pairmine.operators.s3config import is_expired_token
+    from pairmine.operators.storage import CredentialsExpiredError, expired_message, is_local
     from pairmine.pipeline.ray_adapter import cluster_gpus, configure_data, init_ray
 
     def cluster_cpus() -> float:
@@ -1479,11 +1477,14 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
     )
     try:
         result = trainer.fit()
-    except Exception as e:  # noqa: BLE001 - an out-of-memory kill becomes one line; everything else as it was
+    except Exception as e:  # noqa: BLE001 - an out-of-memory kill or expired credentials become one line
         memory = out_of_memory_message(e, cfg)
-        if memory is None:
-            raise
-        raise TrainingMemoryError(memory) from None
+        if memory is not None:
+            raise TrainingMemoryError(memory) from None
+        if is_expired_token(e):  # Ray Train's checkpoints, Ray Data's reads: pyarrow's errors, no retry of ours
+            where = output if not is_local(output) else run_dir
+            raise CredentialsExpiredError(expired_message("train", where, storage.s3(), False)) from None
+        raise
     if plan.resume_from and plan.resume_step < total:  # the run has saved newer checkpoints, which Ray Train keeps
         log.info("removing checkpoint %s (step %d), which the run resumed from: Ray Train never registered it",
                  plan.resume_from, plan.resume_step)
