@@ -217,9 +217,9 @@ def decoder_rows_per_chunk(heads: int, seq_len: int, chunk_mb: float) -> int:
     """Decoder rows (passages) of the checkpointed decoder layer recomputed at once in the backward pass, so that
     their attention (rows x heads x seq_len^2 fp32 probabilities, with dropout's mask and the gradient: ~3 such
     tensors) fits in ``chunk_mb`` MiB (``loss.head_chunk_mb``; at least 1 row). 12 heads at 260 positions (256 tokens
-    + 4 conditioning vectors) and 256 MiB: 27 rows. Measured: the 8 cross and 2 self rows per group made one
-    default step's memory grow by ~165 of its ~210 MiB per group when the whole batch's rows were recomputed at once
-    (docs/benchmarks.md, "Training memory")."""
+    + 4 conditioning vectors) and 256 MiB: 27 rows. Measured: with the whole batch's rows recomputed at once, the 8 cross and
+    2 self rows per group were ~1.3 of the 2.9 GiB of a default step at batch 8 (docs/benchmarks.md, "Training
+    memory")."""
     per_row = 3 * 4 * max(1, heads) * max(1, seq_len) ** 2
     return max(1, int(chunk_mb * 2**20 // per_row))
 
