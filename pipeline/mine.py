@@ -124,7 +124,8 @@ def _make_read(cfg: MineConfig):
 def _make_chunk(cfg: MineConfig):
     from pairmine.operators.chunk import Chunker
 
-    return Chunker(cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages, cfg.token_limit())
+    return Chunker(cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages, cfg.token_limit(),
+                   cfg.chunk.max_chars)
 
 
 def _make_embed(cfg: MineConfig, threads: int, device: str, known_refs=None):
@@ -386,12 +387,15 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
         "docs_without_groups": without_g,
         "docs_without_groups_by_reason": without,
         "docs_truncated": int(total["docs_truncated"]),
+        "docs_cut_max_chars": int(total["docs_cut_max_chars"]),
         "groups": groups,
         "passages": passages,
         "passages_in_groups": int(total["passages_in_groups"]),
         "passages_short_dropped": int(total["passages_short_dropped"]),
         "passages_duplicate_dropped": int(total["passages_duplicate_dropped"]),
         "passages_truncated": int(total["passages_truncated"]),
+        "chars_truncated": int(total["chars_truncated"]),
+        "chars_cut_max_chars": int(total["chars_cut_max_chars"]),
         "passages_token_split": int(total["passages_token_split"]),
         "passages_token_truncated": int(total["passages_token_truncated"]),
         "passages_vector_reused": int(total["passages_vector_reused"]),
