@@ -5,7 +5,20 @@ Sentences come from blingfire (a maintained, offline sentence splitter that also
 ``max_words`` words; a sentence longer than ``max_words`` is cut at word boundaries. Passages shorter than
 ``min_words`` are dropped and counted; passages equal to an earlier passage of the same document after whitespace and
 case normalisation are dropped and counted (a page's repeated paragraph must not become its anchor's own positive,
-issue 14 item 5); a document is capped at ``max_passages`` and the rest counted as truncated.
+issue 14 item 5); a document is capped at ``max_passages``: chunking stops at the first passage past the cap, and the
+document and the characters left out are counted (``n_truncated``, ``chars_truncated``).
+
+One huge document (issue 39 item 10). Splitting a whole text at once cost about 46 bytes of memory per character of
+it (blingfire's buffers and offsets, then a tuple per word): 6.5 GiB over the input's 0.5 GiB for a 150 MB page, of
+which 256 passages (~0.2 MB) were kept (benchmarks/bench_chunk_memory.py, docs/benchmarks.md "Memory"). The text is
+therefore split one window of ``WINDOW_CHARS`` characters at a time (a text no longer than that, i.e. every page of
+the sample, is one window, as before), and nothing past the first passage over the cap is split or tokenized; a text
+longer than ``max_chars`` (``chunk.max_chars``, 4 million characters) is cut and counted (``chars_cut``), which also
+bounds the time spent on a long page that never reaches the cap (one paragraph repeated). The passages are those of
+the whole text: tests/test_chunk.py compares them on the sample's documents in windows of 300 and 2,000 characters,
+and the 2,000 documents of ../shared/data/fineweb-long (legal and OCR'd newspaper pages among them), compared the
+same way by hand, gave the same passages too (blingfire's breaks depend on the text on either side of them:
+:func:`_pieces` gives it ``CONTEXT`` characters on each side).
 
 Scripts written without spaces between words (issue 14 item 3). A "word" is a whitespace-separated token, which
 makes a Chinese, Japanese or Thai page one enormous word. In such scripts every *character* counts as a fraction of
@@ -58,10 +71,21 @@ import re
 import unicodedata
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import islice
 
 import pyarrow as pa
 
 _WORD = re.compile(r"\S+")
+_SPACE = re.compile(r"\s")
+_LAST_SPACE = re.compile(r"\s\S*\Z")
+
+# Characters of one document's text that are chunked: a longer text is cut (chunk.max_chars; counted). The longest
+# of the 2,000 documents of shared/data/fineweb-long has 47,628 characters.
+MAX_CHARS = 4_000_000
+# Characters split into sentences and words at a time (chunk_text's window): a few MB of per-word structures.
+WINDOW_CHARS = 1 << 18
+# Characters of text that blingfire sees on either side of a sentence break it is trusted with (_pieces).
+CONTEXT = 1000
 
 # Lengths are integers in 1/UNIT of a word.
 UNIT = 20
@@ -96,9 +120,13 @@ class Chunked:
         n_short: passages dropped because they had fewer than ``min_words`` words.
         n_duplicate: passages dropped because an earlier passage of the document has the same text after whitespace
             and case normalisation (:func:`normalise_passage`).
-        n_truncated: passages past ``max_passages`` that were not kept.
+        n_truncated: 1 when the document has a passage past ``max_passages`` (not kept; chunking stops at it, so
+            the passages after it are not counted), else 0.
         n_token_split: passages of at most ``max_words`` words that had more model tokens than the token limit and
             were cut again (:func:`chunk_text`'s ``token_limit``); their pieces are counted like any passage.
+        chars_truncated: characters from the start of the first passage past ``max_passages`` to the end of the
+            chunked text (0 when none): the text the cap left out.
+        chars_cut: characters left out by :func:`chunk_text`'s ``max_chars`` (0 when the text was not longer).
     """
 
     passages: list[str] = field(default_factory=list)
@@ -109,6 +137,8 @@ class Chunked:
     n_duplicate: int = 0
     n_truncated: int = 0
     n_token_split: int = 0
+    chars_truncated: int = 0
+    chars_cut: int = 0
 
 
 def normalise_passage(text: str) -> str:
@@ -359,12 +389,110 @@ def fit_spans(text: str, levels: list[list[tuple[int, int]]], limit: TokenLimit,
     return out
 
 
+def _cut_point(text: str, max_chars: int) -> int:
+    """Where ``max_chars`` cuts ``text``: ``len(text)`` when it is not longer (or ``max_chars`` is 0), else
+    ``max_chars`` moved back to the last whitespace of the 1,000 characters before it, so the word it would split is
+    left out whole (exactly ``max_chars`` when those characters hold no whitespace)."""
+    if max_chars <= 0 or len(text) <= max_chars:
+        return len(text)
+    if text[max_chars].isspace() or text[max_chars - 1].isspace():
+        return max_chars
+    tail = text[max(0, max_chars - 1000):max_chars]
+    m = _LAST_SPACE.search(tail)
+    return max_chars - (len(tail) - m.start()) if m else max_chars
+
+
+def _sentence_pieces(text: str, start: int, end: int, limit: int):
+    """The pieces of the sentence text[start:end]: its atoms (:func:`_atoms`) in greedy runs of at most ``limit``
+    units (one atom longer than the limit is a piece alone), as (atoms, units)."""
+    cur: list[tuple[int, int, int]] = []
+    units = 0
+    for atom in _atoms(text, start, end):
+        if cur and units + atom[2] > limit:
+            yield cur, units
+            cur, units = [], 0
+        cur.append(atom)
+        units += atom[2]
+    if cur:
+        yield cur, units
+
+
+def _pieces(text: str, stop: int, limit: int, window: int):
+    """The pieces of text[:stop] in order (:func:`_sentence_pieces` of every sentence), found one window of about
+    ``window`` characters at a time, so the per-word structures of a huge text are never all in memory.
+
+    blingfire's breaks depend on the text on both sides ("\\nMr. Justice" is two sentences, "Mr. Justice" at the
+    start of a text one; "not\\nD. A." ends a sentence when the text stops there), so a window is split with the
+    ``CONTEXT`` characters before it, and a break is used only with ``CONTEXT`` characters of the window after it.
+    The next window starts at the first sentence not used. A window that gives no such break (a sentence of about
+    ``window`` characters or more) gives its first sentence's pieces that end ``CONTEXT`` characters before the
+    window's end, but the last, and the next window starts at the next piece, inside the sentence; a window that
+    gives neither is doubled (words of many characters). A window ends at a whitespace (when one is within 1,000
+    characters of its size). A text of at most ``window`` characters is one window: exactly the pieces of
+    :func:`split_sentences` over the whole text, as before windows.
+    """
+    pos, size = 0, window
+    while pos < stop:
+        if stop - pos <= size:
+            end = stop
+        else:  # end the window at a whitespace, so that no word is cut
+            m = _SPACE.search(text, pos + size, min(stop, pos + size + 1000))
+            end = m.start() if m else pos + size
+        ctx = max(0, pos - CONTEXT)  # a sentence across pos starts at pos (pos is a sentence's or a piece's start)
+        spans = [(max(ctx + s, pos), ctx + e) for s, e in split_sentences(text[ctx:end]) if ctx + e > pos]
+        if end >= stop:
+            for s, e in spans:
+                yield from _sentence_pieces(text, s, e, limit)
+            return
+        trusted = end - CONTEXT
+        n = 0
+        while n + 1 < len(spans) and spans[n + 1][0] <= trusted:
+            n += 1
+        if n:
+            for s, e in spans[:n]:
+                yield from _sentence_pieces(text, s, e, limit)
+            pos, size = spans[n][0], window
+            continue
+        if not spans:  # whitespace only
+            pos, size = end, window
+            continue
+        first = list(_sentence_pieces(text, *spans[0], limit))
+        k = 0  # pieces of the first sentence to give: not the last (it may go on past the window), none untrusted
+        while k + 1 < len(first) and first[k][0][-1][1] <= trusted:
+            k += 1
+        if k:
+            yield from first[:k]
+            pos, size = first[k][0][0][0], window
+        else:
+            size *= 2
+
+
+def _candidates(pieces, limit: int):
+    """Candidate passages: greedy runs of whole pieces of at most ``limit`` units, each a list of pieces' atoms."""
+    current: list[list[tuple[int, int, int]]] = []
+    current_units = 0
+    for piece, units in pieces:
+        if current and current_units + units > limit:
+            yield current
+            current, current_units = [], 0
+        current.append(piece)
+        current_units += units
+    if current:
+        yield current
+
+
 def chunk_text(text: str, max_words: int = 120, min_words: int = 5, max_passages: int = 256,
-               token_limit: TokenLimit | None = None) -> Chunked:
+               token_limit: TokenLimit | None = None, max_chars: int = MAX_CHARS,
+               window: int = WINDOW_CHARS) -> Chunked:
     """Pack the sentences of ``text`` into passages (SPEC "Chunk"; max_words 120 is Revela's setting, seed 001).
 
     Every stage that needs a document's passages (mining, the consistency pool, the TF-IDF sample, calibrate, the
     report, random positives) calls this function, so they all see the same passages.
+
+    The text is read from its start, one window of about ``window`` characters at a time (:func:`_pieces`), and
+    chunking stops at the first passage past ``max_passages``: the text after it is neither split nor tokenized,
+    so the memory of one call is bounded by the window and the kept passages, not by the text (issue 39 item 10;
+    a run of ``window`` characters without whitespace is read whole, bounded by ``max_chars``).
 
     Args:
         text: the document text.
@@ -372,11 +500,16 @@ def chunk_text(text: str, max_words: int = 120, min_words: int = 5, max_passages
             written without spaces counts 0.8 (CJK), 1.4 (Hangul) or 0.15 (Thai, Lao, Khmer, Myanmar) of a word,
             module docstring).
         min_words: passages with fewer words are dropped and counted in ``n_short``.
-        max_passages: passages kept per document (after dropping short and duplicate passages); the rest are counted
-            in ``n_truncated``.
+        max_passages: passages kept per document (after dropping short and duplicate passages). The first passage
+            past them is counted in ``n_truncated`` (so 0 or 1) and the characters from its start to the end of the
+            (cut) text in ``chars_truncated``; short and duplicate passages before it are counted as usual.
         token_limit: when given, a passage whose prefixed text has more than ``token_limit.max_length`` model
             tokens is cut again at sentence, then word, then character boundaries (:func:`fit_spans`; counted in
             ``n_token_split``). None: word lengths only.
+        max_chars: a text longer than this many characters is chunked as its first ``max_chars`` characters (cut at
+            the last whitespace before, when one is within 1,000 characters; ``chunk.max_chars``); the characters
+            left out are counted in ``chars_cut``. 0: no cut.
+        window: characters per window (a text of at most this many is split in one call, as a whole).
 
     Returns:
         A :class:`Chunked` whose passages are exact slices of ``text`` (from the first word of the first sentence
@@ -384,76 +517,60 @@ def chunk_text(text: str, max_words: int = 120, min_words: int = 5, max_passages
         passages are equal after :func:`normalise_passage` (later copies are counted in ``n_duplicate``).
 
     Raises:
-        ValueError: when max_words < 1, min_words < 1 or max_passages < 1.
+        ValueError: when max_words < 1, min_words < 1, max_passages < 1, max_chars < 0 or window < 1.
     """
     if max_words < 1 or min_words < 1 or max_passages < 1:
         raise ValueError(f"max_words, min_words and max_passages must be >= 1, got {max_words}, {min_words}, {max_passages}")
+    if max_chars < 0 or window < 1:
+        raise ValueError(f"max_chars must be >= 0 (0: no cut) and window >= 1, got {max_chars}, {window}")
     out = Chunked()
     limit, least = max_words * UNIT, min_words * UNIT
-    # Atoms grouped by sentence; a sentence longer than max_words becomes several pieces.
-    pieces: list[tuple[list[tuple[int, int, int]], int]] = []
-    for s_start, s_end in split_sentences(text):
-        cur: list[tuple[int, int, int]] = []
-        units = 0
-        for atom in _atoms(text, s_start, s_end):
-            if cur and units + atom[2] > limit:
-                pieces.append((cur, units))
-                cur, units = [], 0
-            cur.append(atom)
-            units += atom[2]
-        if cur:
-            pieces.append((cur, units))
-
+    stop = _cut_point(text, max_chars)
+    out.chars_cut = len(text) - stop
     seen: set[str] = set()
 
-    def keep(start: int, end: int, units: int) -> None:
-        key = normalise_passage(text[start:end])
+    def keep(start: int, end: int, units: int) -> bool:
+        """Keep or count one passage; False at the first passage past the cap (chunking stops there)."""
         if units < least:
             out.n_short += 1
-        elif key in seen:
+            return True
+        key = normalise_passage(text[start:end])
+        if key in seen:
             out.n_duplicate += 1
         elif len(out.passages) >= max_passages:
             out.n_truncated += 1
+            out.chars_truncated = stop - start
+            return False
         else:
             seen.add(key)
             out.passages.append(text[start:end])
             out.starts.append(start)
             out.ends.append(end)
             out.words.append((units + UNIT // 2) // UNIT)
+        return True
 
-    # Candidate passages: runs of whole pieces of at most max_words.
-    candidates: list[list[list[tuple[int, int, int]]]] = []
-    current: list[list[tuple[int, int, int]]] = []
-    current_units = 0
-    for piece, units in pieces:
-        if current and current_units + units > limit:
-            candidates.append(current)
-            current, current_units = [], 0
-        current.append(piece)
-        current_units += units
-    if current:
-        candidates.append(current)
-
-    over: list[bool] = []
-    for i, candidate in enumerate(candidates):
-        if len(out.passages) >= max_passages:  # past the cap: never embedded, so neither tokenized nor cut again
-            keep(candidate[0][0][0], candidate[-1][-1][1], sum(a[2] for p in candidate for a in p))
-            continue
-        if i >= len(over):  # token counts for the next candidates, a batch at a time (one tokenizer call)
-            batch = candidates[i:i + 64]
-            over += ([n > token_limit.max_length for n in
-                      token_limit.lengths([text[c[0][0][0]:c[-1][-1][1]] for c in batch])]
-                     if token_limit is not None else [False] * len(batch))
-        if not over[i]:
-            keep(candidate[0][0][0], candidate[-1][-1][1], sum(a[2] for p in candidate for a in p))
-            continue
-        sentences = [(p[0][0], p[-1][1]) for p in candidate]
-        words = [(a[0], a[1]) for p in candidate for a in p]
-        parts = fit_spans(text, [sentences, words], token_limit, max_parts=max_passages)
-        out.n_token_split += 1
-        for s, e in parts:
-            keep(s, e, sum(a[2] for a in _atoms(text, s, e)))
-    return out
+    candidates = _candidates(_pieces(text, stop, limit, window), limit)
+    while True:
+        # Token counts for the next candidates, one tokenizer call: at most as many as could still be kept, so no
+        # text past the cap is tokenized. Past the cap, candidates are never embedded: neither tokenized nor cut.
+        batch = list(islice(candidates, max(1, min(64, max_passages - len(out.passages)))))
+        if not batch:
+            return out
+        over = ([n > token_limit.max_length for n in
+                 token_limit.lengths([text[c[0][0][0]:c[-1][-1][1]] for c in batch])]
+                if token_limit is not None and len(out.passages) < max_passages else [False] * len(batch))
+        for candidate, too_long in zip(batch, over):
+            if not too_long or len(out.passages) >= max_passages:
+                if not keep(candidate[0][0][0], candidate[-1][-1][1], sum(a[2] for p in candidate for a in p)):
+                    return out
+                continue
+            sentences = [(p[0][0], p[-1][1]) for p in candidate]
+            words = [(a[0], a[1]) for p in candidate for a in p]
+            parts = fit_spans(text, [sentences, words], token_limit, max_parts=max_passages)
+            out.n_token_split += 1
+            for s, e in parts:
+                if not keep(s, e, sum(a[2] for a in _atoms(text, s, e))):
+                    return out
 
 
 class Chunker:
@@ -461,24 +578,38 @@ class Chunker:
 
     Input columns: ``text`` and ``skip_reason`` (rows with a skip reason pass through with empty passage lists).
     Output: the input without ``text``, plus list columns ``passages`` (string), ``passage_start``,
-    ``passage_end``, ``passage_words`` (int32) and int32 counters ``n_short_passages``, ``n_duplicate_passages``,
-    ``n_truncated_passages``, ``n_token_split_passages`` (:class:`Chunked`). Arguments as :func:`chunk_text`.
+    ``passage_end``, ``passage_words`` (int32), int32 counters ``n_short_passages``, ``n_duplicate_passages``,
+    ``n_truncated_passages``, ``n_token_split_passages`` and int64 character counts ``n_chars_truncated``,
+    ``n_chars_cut`` (:class:`Chunked`). Arguments as :func:`chunk_text`.
     """
 
     COUNTERS = ("n_short_passages", "n_duplicate_passages", "n_truncated_passages", "n_token_split_passages")
+    CHAR_COUNTERS = ("n_chars_truncated", "n_chars_cut")
 
     def __init__(self, max_words: int = 120, min_words: int = 5, max_passages: int = 256,
-                 token_limit: TokenLimit | None = None):
+                 token_limit: TokenLimit | None = None, max_chars: int = MAX_CHARS):
         self.max_words, self.min_words, self.max_passages = max_words, min_words, max_passages
-        self.token_limit = token_limit
+        self.token_limit, self.max_chars = token_limit, max_chars
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        texts = batch.column("text").to_pylist()
+        import pyarrow.compute as pc
+
+        texts = batch.column("text")
+        lengths = pc.utf8_length(texts).to_pylist()  # characters (code points), as len() of the Python str
+        if self.max_chars and max((n or 0 for n in lengths), default=0) > self.max_chars:
+            # Only the first max_chars + 1 characters of a longer text become a Python str (chunk_text cuts it):
+            # a 150 MB text would be 600 MB in Python with one emoji in it.
+            texts = pc.utf8_slice_codeunits(texts, 0, self.max_chars + 1)
         skips = batch.column("skip_reason").to_pylist()
-        cols: dict[str, list] = {k: [] for k in (*PASSAGE_FIELDS, *self.COUNTERS)}
-        for text, skip in zip(texts, skips):
-            c = Chunked() if skip is not None else chunk_text(text, self.max_words, self.min_words, self.max_passages,
-                                                              self.token_limit)
+        cols: dict[str, list] = {k: [] for k in (*PASSAGE_FIELDS, *self.COUNTERS, *self.CHAR_COUNTERS)}
+        for i, skip in enumerate(skips):  # one text at a time: a batch's texts are not all copied into Python
+            if skip is not None:
+                c = Chunked()
+            else:
+                text = texts[i].as_py()
+                c = chunk_text(text, self.max_words, self.min_words, self.max_passages, self.token_limit,
+                               self.max_chars)
+                c.chars_cut += lengths[i] - len(text)  # the characters past max_chars + 1, never read
             cols["passages"].append(c.passages)
             cols["passage_start"].append(c.starts)
             cols["passage_end"].append(c.ends)
@@ -487,10 +618,14 @@ class Chunker:
             cols["n_duplicate_passages"].append(c.n_duplicate)
             cols["n_truncated_passages"].append(c.n_truncated)
             cols["n_token_split_passages"].append(c.n_token_split)
+            cols["n_chars_truncated"].append(c.chars_truncated)
+            cols["n_chars_cut"].append(c.chars_cut)
         out = batch.drop_columns(["text"])
         out = out.append_column("passages", pa.array(cols["passages"], pa.list_(pa.string())))
         for name in ("passage_start", "passage_end", "passage_words"):
             out = out.append_column(name, pa.array(cols[name], pa.list_(pa.int32())))
         for name in self.COUNTERS:
             out = out.append_column(name, pa.array(cols[name], pa.int32()))
+        for name in self.CHAR_COUNTERS:
+            out = out.append_column(name, pa.array(cols[name], pa.int64()))
         return out

@@ -123,7 +123,8 @@ class GroupWriter:
         docs = batch.select(
             ["shard_index", "unit_offset", "row_index", "id", "url", "skip_reason", "text_repaired", "passages", "centrality", "groups",
              "no_group_reason", "n_short_passages", "n_duplicate_passages", "n_truncated_passages"]
-            + [c for c in ("n_token_split_passages", "n_token_truncated", "n_vector_reused") if c in batch.column_names]
+            + [c for c in ("n_token_split_passages", "n_token_truncated", "n_vector_reused", "n_chars_truncated",
+                           "n_chars_cut") if c in batch.column_names]
         ).to_pylist()
         for d in docs:
             c = per_unit.setdefault((d["shard_index"], d["unit_offset"]), _ShardCounts())
@@ -139,6 +140,9 @@ class GroupWriter:
             stats["passages_duplicate_dropped"] += d["n_duplicate_passages"]  # repeats inside the document
             stats["passages_truncated"] += d["n_truncated_passages"]
             stats["docs_truncated"] += d["n_truncated_passages"] > 0
+            stats["chars_truncated"] += d.get("n_chars_truncated") or 0  # left out by chunk.max_passages
+            stats["docs_cut_max_chars"] += (d.get("n_chars_cut") or 0) > 0  # longer than chunk.max_chars
+            stats["chars_cut_max_chars"] += d.get("n_chars_cut") or 0
             stats["passages_token_split"] += d.get("n_token_split_passages") or 0  # cut again to fit the model
             stats["passages_token_truncated"] += d.get("n_token_truncated") or 0
             stats["passages_vector_reused"] += d.get("n_vector_reused") or 0  # from the consistency pool's pass

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import tomllib
 
+from pairmine.operators.chunk import MAX_CHARS
 from pairmine.operators.errors import PairmineError
 # The default model's anchor threshold, 0.675, was measured on the shipped sample with benchmarks/threshold_sweep.py:
 # the value at which the sample's eligible documents (>= 5 passages) come closest to the paper's 68% passage
@@ -66,7 +67,8 @@ class OutputConfig:
 class ChunkConfig:
     max_words: int = _f(120, "most words per passage (whitespace-separated; a CJK character counts 0.8, Hangul 1.4, Thai/Lao/Khmer/Myanmar 0.15: operators/chunk.py); whole sentences are packed (Revela's 120, seed 001)")
     min_words: int = _f(5, "passages with fewer words are dropped and counted")
-    max_passages: int = _f(256, "passages kept per document; the rest are counted as truncated")
+    max_passages: int = _f(256, "passages kept per document; chunking stops at the first passage past them: the document is counted in docs_truncated and the characters left out in chars_truncated")
+    max_chars: int = _f(MAX_CHARS, "characters of a document's text that are chunked (the longest of 2,000 FineWeb pages in shared/data/fineweb-long has 47,628); a longer text is cut there, at a whitespace when one is within 1,000 characters before, counted in docs_cut_max_chars and chars_cut_max_chars; 0: no cut")
     fit_model_length: bool = _f(True, "a passage with more than embed.max_length tokens of the model's tokenizer (prefix and special tokens included) is cut again at sentence, then word, then character boundaries, so the model sees all of it (counted: passages_token_split)")
 
 
@@ -282,10 +284,12 @@ class MineConfig(Sections):
 
     def chunk_spec(self):
         """The run's chunking as a :class:`pipeline.inputs.ChunkSpec` (``chunk.max_words``, ``chunk.min_words``,
-        ``chunk.max_passages`` and :meth:`token_limit`): what every chunking outside the chunk stage uses."""
+        ``chunk.max_passages``, :meth:`token_limit` and ``chunk.max_chars``): what every chunking outside the chunk
+        stage uses."""
         from pairmine.pipeline.inputs import ChunkSpec
 
-        return ChunkSpec(self.chunk.max_words, self.chunk.min_words, self.chunk.max_passages, self.token_limit())
+        return ChunkSpec(self.chunk.max_words, self.chunk.min_words, self.chunk.max_passages, self.token_limit(),
+                         self.chunk.max_chars)
 
     def token_limit(self):
         """The :class:`operators.chunk.TokenLimit` every chunking of this config uses (the embedding model's
@@ -311,6 +315,7 @@ class MineConfig(Sections):
             ("chunk.max_words", self.chunk.max_words >= 1, ">= 1"),
             ("chunk.min_words", 1 <= self.chunk.min_words <= self.chunk.max_words, "between 1 and chunk.max_words"),
             ("chunk.max_passages", self.chunk.max_passages >= 1, ">= 1"),
+            ("chunk.max_chars", self.chunk.max_chars >= 0, ">= 0 (0: no cut)"),
             ("embed.max_length", self.embed.max_length >= 8, ">= 8"),
             ("embed.batch_size", self.embed.batch_size >= 0, ">= 0 (0: by device)"),
             ("embed.dtype", self.embed.dtype in ("auto", "float32", "bfloat16", "float16"), "one of auto, float32, bfloat16, float16"),
@@ -560,7 +565,7 @@ def run_chunk_spec(manifest: dict):
 
     chunk = (manifest.get("config") or {}).get("chunk") or {}
     return ChunkSpec(chunk.get("max_words", 120), chunk.get("min_words", 5), chunk.get("max_passages", 256),
-                     run_token_limit(manifest))
+                     run_token_limit(manifest), int(chunk.get("max_chars", 0)))  # 0: mined before chunk.max_chars
 
 
 def run_token_limit(manifest: dict):

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pairmine.operators.chunk import MAX_CHARS
 from pairmine.operators.read import (  # noqa: F401  (InputError is re-exported: pipeline code imports it from here)
     InputError, check_column_types, jsonl_document_columns, open_input, parquet_document_columns, read_jsonl_records,
     require_columns, require_keys, strip_compression_suffix,
@@ -55,12 +56,20 @@ class ChunkSpec:
     min_words: int = 5
     max_passages: int = 256
     token_limit: object = None  # operators.chunk.TokenLimit | None
+    max_chars: int = MAX_CHARS  # chunk.max_chars; 0: no cut (run_chunk_spec of a run mined before it existed)
 
     def chunk(self, text: str):
         """``chunk_text(text, ...)`` with these settings: an ``operators.chunk.Chunked``."""
         from pairmine.operators.chunk import chunk_text
 
-        return chunk_text(text, self.max_words, self.min_words, self.max_passages, self.token_limit)
+        return chunk_text(text, self.max_words, self.min_words, self.max_passages, self.token_limit, self.max_chars)
+
+    def texts(self, texts: pa.Array) -> list:
+        """``texts.to_pylist()``, each text cut to the ``max_chars + 1`` characters that :meth:`chunk` reads of it
+        (same passages), so a huge document is never a whole Python string (4 bytes per character with one emoji)."""
+        if self.max_chars and len(texts) and (pc.max(pc.utf8_length(texts)).as_py() or 0) > self.max_chars:
+            texts = pc.utf8_slice_codeunits(texts, 0, self.max_chars + 1)
+        return texts.to_pylist()
 
 
 @dataclass
@@ -332,12 +341,12 @@ def scan_shard(
     rows = np.flatnonzero(candidate)
     rows = rows[np.argsort(priority[rows], kind="stable")][:sample_docs]
     chunked = _ChunkOnce()
-    sample_texts = texts.take(pa.array(rows, pa.int64())).to_pylist()
+    sample_texts = texts.take(pa.array(rows, pa.int64()))
     if sample_chunk is None:
-        sample = list(zip(priority[rows].tolist(), sample_texts))
+        sample = list(zip(priority[rows].tolist(), sample_texts.to_pylist()))
     else:
         sample = [(p, chunked(row, text, sample_chunk))
-                  for p, row, text in zip(priority[rows].tolist(), rows.tolist(), sample_texts)]
+                  for p, row, text in zip(priority[rows].tolist(), rows.tolist(), sample_chunk.texts(sample_texts))]
     pool_candidates, without = (_pool_candidates(piece, ids, texts, reasons, pool, chunked)
                                 if pool is not None and pool.size > 0 else ([], 0))
     skipped = {v["values"]: int(v["counts"]) for v in pc.value_counts(pc.drop_null(reasons)).to_pylist()}
@@ -384,7 +393,7 @@ def _pool_candidates(piece: list[int], ids: pa.Array, texts: pa.Array, reasons: 
     rows = np.flatnonzero(usable & (doc_priority < spec.doc_cut))
     cap = spec.size if spec.known_rows <= 0 else int(np.ceil(2 * spec.size * len(ids) / spec.known_rows)) + 64
     candidates, without = [], 0
-    for row, text, doc_id in zip(rows.tolist(), texts.take(pa.array(rows, pa.int64())).to_pylist(),
+    for row, text, doc_id in zip(rows.tolist(), spec.chunk.texts(texts.take(pa.array(rows, pa.int64()))),
                                  ids.take(pa.array(rows, pa.int64())).to_pylist()):
         passages = chunked(row, text, spec.chunk)
         without += not passages

@@ -124,7 +124,8 @@ def _make_read(cfg: MineConfig):
 def _make_chunk(cfg: MineConfig):
     from pairmine.operators.chunk import Chunker
 
-    return Chunker(cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages, cfg.token_limit())
+    return Chunker(cfg.chunk.max_words, cfg.chunk.min_words, cfg.chunk.max_passages, cfg.token_limit(),
+                   cfg.chunk.max_chars)
 
 
 def _make_embed(cfg: MineConfig, threads: int, device: str, known_refs=None):
@@ -291,7 +292,9 @@ def choose_lineage(runs: list[dict], settings: dict, run_id: str, new_lineage: b
     if not runs:
         return run_id, []
     lineage_id, latest = run_lineage(runs[-1])
-    diffs = [f"{k}: {latest.get(k)!r} then, {v!r} now" for k, v in settings.items() if latest.get(k) != v]
+    # A key the earlier run does not record came into pairmine after it was mined (chunk.max_chars): not a
+    # difference the user made, so it does not end the lineage.
+    diffs = [f"{k}: {latest.get(k)!r} then, {v!r} now" for k, v in settings.items() if k in latest and latest[k] != v]
     if diffs and not new_lineage:
         raise LineageError(
             f"{output} holds runs mined with other settings (latest: {runs[-1].get('run_id')}; {'; '.join(diffs[:4])}"
@@ -386,12 +389,15 @@ def build_stats(total: Counter, hists: dict, cfg: MineConfig, docs_expected: int
         "docs_without_groups": without_g,
         "docs_without_groups_by_reason": without,
         "docs_truncated": int(total["docs_truncated"]),
+        "docs_cut_max_chars": int(total["docs_cut_max_chars"]),
         "groups": groups,
         "passages": passages,
         "passages_in_groups": int(total["passages_in_groups"]),
         "passages_short_dropped": int(total["passages_short_dropped"]),
         "passages_duplicate_dropped": int(total["passages_duplicate_dropped"]),
         "passages_truncated": int(total["passages_truncated"]),
+        "chars_truncated": int(total["chars_truncated"]),
+        "chars_cut_max_chars": int(total["chars_cut_max_chars"]),
         "passages_token_split": int(total["passages_token_split"]),
         "passages_token_truncated": int(total["passages_token_truncated"]),
         "passages_vector_reused": int(total["passages_vector_reused"]),

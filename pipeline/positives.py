@@ -199,7 +199,8 @@ class _DocumentPassages:
         self.read = ReadDocuments(input_cfg.get("text_column", "text"), input_cfg.get("id_column", "id"),
                                   input_cfg.get("url_column", "url"), storage)
         self.chunk = Chunker(chunk_cfg.get("max_words", 120), chunk_cfg.get("min_words", 5),
-                             chunk_cfg.get("max_passages", 256), token_limit)
+                             chunk_cfg.get("max_passages", 256), token_limit,
+                             int(chunk_cfg.get("max_chars", 0)))  # 0: a run mined before chunk.max_chars
 
     def __call__(self, units: pa.Table) -> pa.Table:
         docs = self.chunk(self.read(units))

@@ -72,7 +72,8 @@ def test_short_passages_are_dropped_and_counted():
 
 def test_max_passages_caps_and_counts():
     c = chunk_text(TEXT, max_words=11, min_words=1, max_passages=2)
-    assert c.passages == [S1, S2] and c.n_truncated == 2
+    # Chunking stops at the first passage past the cap (S3): counted once, with the 229 - 106 characters from S3 on.
+    assert c.passages == [S1, S2] and c.n_truncated == 1 and c.chars_truncated == len(TEXT) - TEXT.index(S3) == 123
 
 
 def test_real_document_from_the_sample(sample_dir):
@@ -91,8 +92,12 @@ def test_one_megabyte_single_line_document_is_capped():
     text = "".join(f"lorem ipsum dolor sit {i} " for i in range(40000))  # ~1 MB, no sentence end, one line
     c = chunk_text(text)
     assert len(text) > 1_000_000
-    assert len(c.passages) == 256 and all(w == 120 for w in c.words)
-    assert c.n_truncated == 200000 // 120 + 1 - 256 and c.n_duplicate == 0  # 1667 pieces of <= 120 words, 256 kept
+    words = text.split()
+    assert c.passages == [" ".join(words[k * 120:(k + 1) * 120]) for k in range(256)] and set(c.words) == {120}
+    # 1667 pieces of <= 120 words, 256 kept; chunking stops at the 257th (word 30,720 = "lorem" of i = 6144): the
+    # text from there on is neither split nor counted in passages, only in characters.
+    first_left_out = len("".join(f"lorem ipsum dolor sit {i} " for i in range(6144)))
+    assert c.n_truncated == 1 and c.n_duplicate == 0 and c.chars_truncated == len(text) - first_left_out == 944112
     # The same page with one phrase repeated: every 120-word piece is the same text, kept once (not capped).
     c = chunk_text("lorem ipsum dolor sit amet " * 40000)
     assert c.words == [120, 80] and c.n_duplicate == 1667 - 2 and c.n_truncated == 0
@@ -276,3 +281,80 @@ def test_a_huge_word_costs_at_most_the_passage_cap():
     c = chunk_text(blob, min_words=1, max_passages=4, token_limit=limit)
     assert len(c.passages) == 4 and c.n_truncated == 1 and c.n_token_split == 1
     assert max(limit.lengths(c.passages)) <= 32 and "".join(c.passages) == blob[:c.ends[-1]]
+
+
+# One huge document (issue 39 item 10): the text is split one window at a time, and not past the cap.
+
+def _sample_texts(sample_dir):
+    return [t for f in sorted(sample_dir.glob("**/*.parquet")) for t in pq.read_table(f, columns=["text"])["text"].to_pylist()]
+
+
+def test_windows_give_the_passages_of_the_whole_text(sample_dir):
+    """The sample's documents of more than 2,000 characters (348 of 827), split in windows of 2,000 characters, and
+    every sixth of them in windows of 300 (each sentence break then sits near a window's edge), give exactly the
+    passages and counts of one call over the whole text (with the token limit: fit_spans sees the same candidates).
+    Legal and newspaper pages here have breaks that depend on the text before them ("\\nMr. Justice")."""
+    from pairmine.operators.chunk import TokenLimit
+
+    texts = [t for t in _sample_texts(sample_dir) if len(t) > 2000]
+    assert len(texts) == 348
+    for t in texts:
+        assert chunk_text(t, window=2000) == chunk_text(t), t[:80]
+    limit = TokenLimit("", 256, "")
+    for t in texts[::6]:
+        assert chunk_text(t, token_limit=limit, window=300) == chunk_text(t, token_limit=limit), t[:80]
+
+
+def test_a_huge_document_is_chunked_in_bounded_memory(sample_dir):
+    """30.7 MB of real text (the sample's 3.06 MB ten times, one document, no max_chars cut): chunking stops at the
+    257th passage, 159,965 characters in, and holds ~10 MB at its peak (tracemalloc: Python and numpy allocations),
+    where splitting the whole text at once took ~39 bytes per character (116 MB for its first 3 MB, so ~1.2 GB). The
+    passages are those of the text cut where chunking stopped."""
+    import tracemalloc
+
+    huge = "\n\n".join(_sample_texts(sample_dir) * 10)
+    assert len(huge) == 30_660_968
+    tracemalloc.start()
+    try:
+        c = chunk_text(huge, max_chars=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20  # about 1 byte per character of the text, for everything
+    assert len(c.passages) == 256 and c.n_truncated == 1 and c.chars_cut == 0
+    read = len(huge) - c.chars_truncated  # where the first passage past the cap starts
+    assert read == 159_965
+    cut = chunk_text(huge[:read], max_chars=0)  # one window: as before windows
+    assert (cut.passages, cut.starts, cut.ends, cut.words) == (c.passages, c.starts, c.ends, c.words)
+    assert cut.n_truncated == 0 and (cut.n_short, cut.n_duplicate) == (c.n_short, c.n_duplicate) == (0, 1)
+
+
+def test_max_chars_cuts_at_a_word_and_is_counted():
+    """10 MB of one phrase: every passage repeats the first, so the cap never stops chunking; max_chars does."""
+    from pairmine.operators.chunk import Chunker
+
+    phrase = "lorem ipsum dolor sit amet "  # 27 characters, 5 words
+    text = phrase * 370_371  # 10,000,017 characters
+    c = chunk_text(text, max_chars=1_000_000)
+    # 37,037 phrases end at 999,999, where "lorem" starts: cut at the space before it (999,998), "lorem" left out.
+    assert c.chars_cut == len(text) - 999_998 == 9_000_019
+    # 185,185 words: 1,543 pieces of 120 words, all the same text (kept once), then 25 words.
+    assert c.passages == [" ".join(text.split()[:120]), " ".join(text.split()[:25])]
+    assert c.n_duplicate == 1542 and c.n_truncated == 0 and c.ends[-1] == 999_998
+    assert chunk_text(text[:999_998], max_chars=0) == dataclasses_replace(c, chars_cut=0)
+    assert chunk_text(text[:1_000_000], max_chars=1_000_000).chars_cut == 0  # not longer: not cut
+    assert chunk_text("word " * 10, max_chars=0).chars_cut == 0
+    # The operator reads only max_chars + 1 characters of a longer text into Python and counts the rest too.
+    batch = pa.table({"id": ["long", "short"], "text": [text, TEXT], "skip_reason": pa.nulls(2, pa.string())})
+    out = Chunker(max_chars=1_000_000)(batch)
+    assert out.column("n_chars_cut").to_pylist() == [9_000_019, 0]
+    assert out.column("passages").to_pylist() == [c.passages, [TEXT]]
+    assert out.column("n_duplicate_passages").to_pylist() == [1542, 0]
+    with pytest.raises(ValueError, match="max_chars"):
+        chunk_text(TEXT, max_chars=-1)
+
+
+def dataclasses_replace(c, **changes):
+    import dataclasses
+
+    return dataclasses.replace(c, **changes)

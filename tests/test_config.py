@@ -33,6 +33,7 @@ def test_toml_file_then_overrides(tmp_path):
     [
         ("chunk.max_words=0", "chunk.max_words = 0 is not allowed: must be >= 1"),
         ("chunk.max_words=many", "chunk.max_words = 'many': expected int"),
+        ("chunk.max_chars=-1", "chunk.max_chars = -1 is not allowed: must be >= 0"),
         ("embed.dtype=int8", "embed.dtype = 'int8' is not allowed: must be one of auto, float32, bfloat16, float16"),
         ("anchors.threshold=1.5", "anchors.threshold = 1.5 is not allowed"),
         ("embed.modle=x", "unknown config key 'embed.modle'"),

@@ -180,13 +180,16 @@ ONE_MB_GROUPS = 256
 
 def test_bad_input_is_counted_and_never_crashes(bad_input, tiny_model_dir, out):
     cfg = load_config(overrides=[f"input.path={bad_input}", *out.overrides, "output.run_id=bad",
-                                 f"embed.model={tiny_model_dir}", "anchors.threshold=0.0"])
+                                 f"embed.model={tiny_model_dir}", "anchors.threshold=0.0", "chunk.max_chars=500000"])
     s = mine(cfg).stats
     assert s["docs_in"] == 38 + 5 + 3
     assert s["docs_skipped"] == {"null_id": 1, "null_text": 1, "empty_text": 3, "duplicate_id": 2,
                                  "duplicate_text": 3, "invalid_json": 1}
     assert s["docs_in"] == s["docs_with_groups"] + s["docs_without_groups"] + s["docs_skipped_total"]
-    assert s["docs_truncated"] == 1 and s["passages_truncated"] == 1667 - 256  # the 1 MB single-line document
+    # The 1 MB single-line document (1,108,890 characters): cut by chunk.max_chars at the space at 499,995 (the word
+    # "18253" across 500,000 is left out), and chunking stops at its 257th passage, at 164,778 (issue 39 item 10).
+    assert s["docs_cut_max_chars"] == 1 and s["chars_cut_max_chars"] == 1_108_890 - 499_995
+    assert s["docs_truncated"] == 1 and s["passages_truncated"] == 1 and s["chars_truncated"] == 499_995 - 164_778
     # Passages the model saw only the start of (over embed.max_length tokens) are counted: recount them by hand.
     from transformers import AutoTokenizer
 
@@ -435,3 +438,8 @@ def test_lineage_joins_equal_settings_and_refuses_others_unless_asked():
     assert str(e.value).startswith("out holds runs mined with other settings (latest: n1; chunk.max_words: 120 then, "
                                    "100 now; anchors.threshold: 0.675 then, 0.7 now)")
     assert choose_lineage([legacy, new], other, "r", True, "out") == ("r", [])
+    # A run mined before a key existed (chunk.max_chars came later) records no value for it: it still joins.
+    before_key = {**new, "lineage": {"id": "n1", "settings": {k: v for k, v in settings.items()
+                                                             if k != "chunk.max_chars"}}}
+    assert "chunk.max_chars" in settings
+    assert choose_lineage([legacy, before_key], settings, "r", False, "out") == ("n1", [before_key])

@@ -124,6 +124,26 @@ def test_the_sample_can_come_back_chunked_from_the_workers(sample_dir):
     assert all(isinstance(ps, tuple) and len(ps) <= 8 for s in chunked for _, ps in s.sample)
 
 
+def test_the_first_pass_reads_only_max_chars_of_a_huge_document(tmp_path):
+    """The TF-IDF sample and the pool chunk a document as the chunk stage does, with chunk.max_chars: only its first
+    max_chars + 1 characters become a Python string on the worker (issue 39 item 10), and the passages are
+    chunk_text's of the whole text with the same max_chars."""
+    from pairmine.operators.chunk import chunk_text
+    from pairmine.pipeline.inputs import ChunkSpec, PoolSpec
+
+    huge = "".join(f"lorem ipsum dolor sit {i} " for i in range(200_000))  # 5.7 MB, one line
+    (tmp_path / "h.jsonl").write_text(json.dumps({"id": "huge", "text": huge}) + "\n")
+    spec = ChunkSpec(120, 5, 8, None, 100_000)
+    texts = spec.texts(pa.array([huge, "short", None]))
+    assert [len(t) if t else t for t in texts] == [100_001, 5, None]
+    assert ChunkSpec(max_chars=0).texts(pa.array([huge]))[0] == huge  # 0: no cut
+    (shard,) = discover_shards(str(tmp_path))
+    scan = scan_shard(shard, "text", "id", 1, 0, 1.0, PoolSpec(10, 0, 1.0, 1, spec), sample_chunk=spec)
+    expected = chunk_text(huge, 120, 5, 8, max_chars=100_000)
+    assert expected.chars_cut > 0 and len(expected.passages) == 8
+    assert scan.sample[0][1] == tuple(expected.passages) and {p for *_, p in scan.pool} == set(expected.passages)
+
+
 def test_duplicates_inside_one_shard_and_null_ids(tmp_path):
     pq.write_table(pa.table({"id": ["a", "b", "a", None, None, "b", "a"], "text": [f"t{i}" for i in range(7)]}),
                    tmp_path / "x.parquet")
