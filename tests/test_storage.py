@@ -172,7 +172,7 @@ def reference(request, eight_shards, tiny_model_dir, tmp_path_factory):
 
 
 # The S3 twin (~5 minutes) is marked slow for the suite's time: S3's commit path and resume are covered in the default
-# run by test_s3_server_restarted_mid_run and the incremental tests; `pytest -m slow` runs it.
+# run by the incremental and re-upload tests (the S3 outage test is slow too); `pytest -m slow` runs it.
 @pytest.mark.parametrize("reference", ["local", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)
 def test_driver_killed_at_several_points_then_rerun_gives_the_same_groups(reference, eight_shards, tiny_model_dir,
                                                                           tmp_path):
@@ -210,7 +210,7 @@ def test_driver_killed_at_several_points_then_rerun_gives_the_same_groups(refere
     assert again.returncode == 2 and "already committed" in again.stderr
 
 
-# The S3 twin (~70 s) runs with -m slow: S3 under a fault stays in the default run (test_s3_server_restarted_mid_run).
+# The S3 twin (~70 s) runs with -m slow, as does test_s3_server_restarted_mid_run.
 @pytest.mark.parametrize("reference", ["local", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)
 def test_ray_worker_killed_mid_run_then_rerun_gives_the_same_groups(reference, eight_shards, tiny_model_dir, tmp_path):
     import psutil
