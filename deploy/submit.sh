@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Submit a mining run to a running Ray cluster as a Ray job, follow its log, and exit with the job's own result.
+# Submit a pairmine command to a running Ray cluster as a Ray job, follow its log, and exit with the job's own result.
 #   RAY_ADDRESS=http://head:8265 deploy/submit.sh --input s3://corpus/fineweb/ --output s3://groups/ [--set ...]
+#   RAY_ADDRESS=http://head:8265 deploy/submit.sh train --groups s3://groups/RUN --output s3://train/xprt [--set ...]
+# The first argument may name the command (mine, train, negatives, filter-pairs, ablate, eval); without one it is mine.
 # The cluster's image must have pairmine installed (docker/Dockerfile); inside the job, pairmine connects to the
 # cluster through RAY_ADDRESS, which Ray sets for job drivers.
 #
@@ -10,8 +12,10 @@
 # of `ray job logs`: neither is the job's result.) PAIRMINE_SUBMISSION_ID names the job (default: a dated id).
 set -euo pipefail
 : "${RAY_ADDRESS:?set RAY_ADDRESS to the dashboard address of the Ray cluster, e.g. http://ray-head:8265}"
-id="${PAIRMINE_SUBMISSION_ID:-pairmine-mine-$(date -u +%Y%m%dT%H%M%SZ)-$$}"
-ray job submit --address "$RAY_ADDRESS" --submission-id "$id" --no-wait -- pairmine mine "$@"
+command=mine
+case "${1:-}" in mine | train | negatives | filter-pairs | ablate | eval) command="$1"; shift ;; esac
+id="${PAIRMINE_SUBMISSION_ID:-pairmine-$command-$(date -u +%Y%m%dT%H%M%SZ)-$$}"
+ray job submit --address "$RAY_ADDRESS" --submission-id "$id" --no-wait -- pairmine "$command" "$@"
 ray job logs --address "$RAY_ADDRESS" --follow "$id" || true  # the log; its own exit status is not the job's
 # The Python that runs `ray` (its script's interpreter) has Ray's job-submission client.
 py="$(sed -n '1s/^#!//p' "$(command -v ray)")"

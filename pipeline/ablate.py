@@ -77,6 +77,16 @@ def parse_arms(text: str) -> list[str]:
     return arms
 
 
+def plan_config(cfg) -> dict:
+    """The training config as the ablation's plan records it: every key but those that do not change what a
+    training run computes (where it runs, how often it saves, how memory is bounded: the keys a training resume
+    accepts, :data:`pipeline.train._NOT_PLAN_SECTIONS` / ``_NOT_PLAN_FIELDS``)."""
+    from pairmine.pipeline.train import _NOT_PLAN_FIELDS, _NOT_PLAN_SECTIONS
+
+    return {s: {k: v for k, v in d.items() if (s, k) not in _NOT_PLAN_FIELDS}
+            for s, d in cfg.to_dict().items() if s not in _NOT_PLAN_SECTIONS}
+
+
 def proxy_overrides(regime: str, quick: bool, run_model: str) -> list[str]:
     """The training settings of the proxies of ``regime`` (``--quick``: the small budget), before the user's."""
     if regime not in REGIMES:
@@ -281,16 +291,17 @@ def ablate(groups: str, beirs: list[str], sts: str | None, output: str, arms: li
     os.makedirs(os.path.join(output, "units"), exist_ok=True)
     plan = {"format": "pairmine-ablate-plan/1", "groups": os.path.abspath(run_dir), "beir": [os.path.abspath(b)
             for b in beirs], "sts": os.path.abspath(sts) if sts else None, "regime": regime, "quick": quick,
-            "config": cfg0.to_dict(), "eval_overrides": list(eval_overrides)}
+            "config": plan_config(cfg0), "eval_overrides": list(eval_overrides)}
     plan_path = os.path.join(output, "plan.json")
     if os.path.exists(plan_path):
         old = json.loads(open(plan_path).read())
-        differ = sorted(k for k in plan if old.get(k) != plan[k])
+        # A key the earlier plan does not record (a setting newer than that ablation) is not a difference.
+        keys = sorted(f"{s}.{k}" for s, d in plan["config"].items() for k, v in d.items()
+                      if k in ((old.get("config") or {}).get(s) or {}) and old["config"][s][k] != v)
+        differ = sorted(k for k in plan if k != "config" and old.get(k) != plan[k]) + (["config"] if keys else [])
         if differ:
             detail = ", ".join(differ)
-            if "config" in differ:
-                keys = sorted(f"{s}.{k}" for s, d in plan["config"].items() for k, v in d.items()
-                              if (old.get("config") or {}).get(s, {}).get(k) != v)
+            if keys:
                 detail += f" ({', '.join(keys)})"
             raise ConfigError(f"--output {output} holds an ablation made with another plan: {detail} differ; use "
                               "another --output, or remove it to start again")

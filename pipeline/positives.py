@@ -219,7 +219,8 @@ def _group_rows(batch: pa.Table) -> pa.Table:
                      "passages": pa.nulls(t.num_rows, ROW_SCHEMA.field("passages").type)}).select(ROW_SCHEMA.names)
 
 
-def with_random_positives(groups_ds, manifest: dict, storage, seed: int, num_partitions: int, mode: str = "random"):
+def with_random_positives(groups_ds, manifest: dict, storage, seed: int, num_partitions: int, mode: str = "random",
+                          num_cpus: float = 1.0):
     """The groups dataset with a ``positive_text`` drawn from all passages of each group's document (``mode``
     "random"), or with its anchor and positive replaced by two random spans of the document (``mode`` "crop",
     :func:`crop_pair`).
@@ -230,6 +231,7 @@ def with_random_positives(groups_ds, manifest: dict, storage, seed: int, num_par
         storage: the storage layer to read the input with.
         seed: ``train.seed``.
         num_partitions: partitions of the shuffle by document id.
+        num_cpus: CPUs each of these Ray Data tasks reserves (``scaling.data_cpus`` in training).
 
     Returns:
         a Ray Dataset of ``GROUP_COLUMNS`` + ``positive_text`` + ``positive_index``, one row per group.
@@ -248,7 +250,7 @@ def with_random_positives(groups_ds, manifest: dict, storage, seed: int, num_par
     units = input_units(inputs, storage)
     docs = ray.data.from_items(units, override_num_blocks=max(1, len(units))).map_batches(
         _DocumentPassages(input_cfg, chunk_cfg, run_token_limit(manifest), storage), batch_size=1,
-        batch_format="pyarrow")
-    rows = groups_ds.map_batches(_group_rows, batch_format="pyarrow").union(docs)
+        batch_format="pyarrow", num_cpus=num_cpus)
+    rows = groups_ds.map_batches(_group_rows, batch_format="pyarrow", num_cpus=num_cpus).union(docs)
     return rows.groupby("doc_id", num_partitions=num_partitions).map_groups(
-        lambda b: draw_random_positives(b, seed, mode), batch_format="pyarrow")
+        lambda b: draw_random_positives(b, seed, mode), batch_format="pyarrow", num_cpus=num_cpus)

@@ -174,9 +174,24 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
     # not into a job runtime_env: Ray gives a job with a runtime_env none of the workers it started with the node
     # (they have no such env), so every task and actor waited for a new process while those idled (~1 s of CPU
     # each). This process's own environment is put back afterwards.
+    # The private Ray's GCS port is chosen here, and RAY_ADDRESS names it in every process of that Ray: code that
+    # asks Ray's state API without an address (Ray Train's PlacementGroupCleaner, every second of a training run)
+    # otherwise picks "the latest cluster" of the machine, another `ray start` cluster or another command's Ray, does
+    # not find the run's controller there, and removes the run's placement group: the training workers die
+    # ("Destroying worker since its placement group was removed"). Seen with two Rays on one machine.
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        gcs_port = sock.getsockname()[1]
+    env_vars = {**env_vars, "RAY_GCS_SERVER_PORT": str(gcs_port),
+                "RAY_ADDRESS": f"{ray.util.get_node_ip_address()}:{gcs_port}"}
     before = {key: os.environ.get(key) for key in env_vars}
     for key, value in env_vars.items():
-        os.environ.setdefault(key, value)
+        if key in ("RAY_GCS_SERVER_PORT", "RAY_ADDRESS"):
+            os.environ[key] = value  # this Ray's, whatever the caller had (RAY_ADDRESS=local, say)
+        else:
+            os.environ.setdefault(key, value)
     kwargs: dict[str, Any] = dict(address="local", include_dashboard=False, logging_level=logging.WARNING)
     if num_cpus:
         kwargs["num_cpus"] = num_cpus
@@ -191,6 +206,10 @@ def init_ray(address: str = "", num_cpus: int = 0) -> str:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+    gcs = ray.get_runtime_context().gcs_address
+    if not gcs.endswith(f":{gcs_port}"):
+        log.warning("the private Ray's GCS listens on %s, not on port %d as asked: Ray's state API in its processes "
+                    "may pick another Ray of this machine", gcs, gcs_port)
     return f"local ({int(ray.cluster_resources().get('CPU', 0))} CPUs)"
 
 

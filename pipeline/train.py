@@ -923,6 +923,54 @@ def _report(metrics: dict, step: int, total: int, every: int, rank: int, metrics
         ray.train.report(metrics)
 
 
+def worker_place(rank: int, device) -> dict:
+    """Where this Ray Train worker runs: its rank, Ray node id, node IP (the address the node joined the cluster
+    with, as ``ray status`` shows it), host name, process id and torch device."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    ip = next((n.get("NodeManagerAddress") for n in ray.nodes() if n.get("NodeID") == node_id), None)
+    return {"rank": rank, "node_id": node_id, "node_ip": ip or ray.util.get_node_ip_address(),
+            "host": platform.node(), "pid": os.getpid(), "device": str(device)}
+
+
+def record_workers(storage, output: str, rank: int, world: int, device) -> list[dict]:
+    """Gather every worker's :func:`worker_place` (a collective: every rank calls it) and, on rank 0, write them into
+    ``OUT/train_manifest.json`` under ``workers`` (one entry per rank, in rank order), so a run says which node each
+    worker trained on. Ray Train restarts (``checkpoint.max_failures``) rewrite the list. Returns the list."""
+    import torch.distributed as dist
+
+    place = worker_place(rank, device)
+    places = [place]
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        places = [None] * world
+        dist.all_gather_object(places, place)
+    if rank == 0:
+        path = f"{output.rstrip('/')}/train_manifest.json"
+        manifest = json.loads(storage.read_bytes(path))
+        manifest["workers"] = places
+        nodes = sorted({p["node_id"] for p in places})
+        manifest["resolved"]["nodes"] = len(nodes)
+        storage.write_bytes(path, (json.dumps(manifest, indent=2) + "\n").encode())
+        log.info("%d worker(s) on %d node(s): %s", world, len(nodes),
+                 ", ".join(f"rank {p['rank']} on node {p['node_id'][:8]} ({p['node_ip']}, pid {p['pid']})"
+                           for p in places))
+    return places
+
+
+def placement_tries(stall_limit_s: float) -> int:
+    """Ray Train's ``FailureConfig.controller_failure_limit`` for a ``ray.stall_limit_s``: how many more times Ray
+    Train may wait ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (Ray's default 60 s; Ray Train passes the driver's
+    value on) for room to place the workers after a first wait, so that it waits ``stall_limit_s`` in all (rounded
+    up to whole waits, at least one) before the run ends with an error. Ray's own default, -1, waits forever: a
+    run whose node is gone, or whose STRICT_SPREAD asks for more nodes than there are, would never end.
+    ``stall_limit_s`` 0: -1 (wait forever). 1800 s at 60 s a wait: 29."""
+    if stall_limit_s <= 0:
+        return -1
+    start_timeout = float(os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "60") or 60)
+    return max(0, math.ceil(stall_limit_s / max(1.0, start_timeout)) - 1)
+
+
 def train_loop(config: dict) -> None:
     """Ray Train worker: the training loop (the same code on a laptop's CPU workers and a GPU cluster)."""
     import ray.train
@@ -944,6 +992,7 @@ def train_loop(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
+    record_workers(config["storage"], output, rank, world, device)
     if device.type == "cpu":
         torch.set_num_threads(cfg.scaling.threads or max(1, math.ceil(config["cpus_per_worker"])))
     amp = _autocast_dtype(cfg, device.type)
@@ -1251,6 +1300,107 @@ def out_of_memory_message(e: BaseException, cfg: TrainConfig) -> str | None:
             "batch size or length needs a new --output")
 
 
+class WorkerLostError(ConfigError):
+    """A training worker died (its node was lost, its process killed) and Ray Train had no restart left
+    (``checkpoint.max_failures``), or Ray Train could not place the workers for ``ray.stall_limit_s``. The message
+    names the worker (rank, node, pid) or what could not be placed, the latest checkpoint, and how to resume; the
+    CLI prints it as one ``pairmine: error:`` line."""
+
+
+def _error_chain(e: BaseException):
+    """Every exception reachable from ``e`` through Ray Train's wrappers (``cause``, ``controller_failure``,
+    ``worker_failures``' values) and Python's ``__cause__`` / ``__context__``, ``e`` first, each once."""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        err = stack.pop(0)
+        if not isinstance(err, BaseException) or id(err) in seen:
+            continue
+        seen.add(id(err))
+        yield err
+        failures = getattr(err, "worker_failures", None)
+        stack += [getattr(err, "cause", None), getattr(err, "controller_failure", None), err.__cause__,
+                  err.__context__, *(failures.values() if isinstance(failures, dict) else [])]
+
+
+def latest_checkpoint(storage, output: str, checkpoint_name: str) -> tuple[int, str] | None:
+    """The newest complete checkpoint under ``OUT/<checkpoint.name>`` as (step, folder), or None (no checkpoint yet,
+    or the folder cannot be listed). Complete as :func:`_checkpoint_step` reads it."""
+    folder = f"{output.rstrip('/')}/{checkpoint_name}"
+    try:
+        names = [p for p in storage.ls(folder) if p.rstrip("/").rsplit("/", 1)[-1].startswith("checkpoint_")
+                 and (storage.info(p) or {}).get("type") == "directory"]  # not Ray's checkpoint_manager_snapshot.json
+        steps = [(s, p) for p in names if (s := _checkpoint_step(storage, p)) is not None]
+    except (OSError, ValueError):
+        return None
+    return max(steps) if steps else None
+
+
+def lost_worker_message(e: BaseException, cfg: TrainConfig, storage, output: str, total: int,
+                        resources: dict, workers: int) -> str | None:
+    """The one-line message for an error of ``trainer.fit()`` caused by a lost worker or by workers Ray Train could
+    not place, or None.
+
+    A lost worker: Ray Train's ``WorkerGroupError`` maps ranks to their errors; the rank whose error is Ray's
+    ``RayActorError`` (the actor died or is unreachable: its node or process is gone), itself or as what Ray Train's
+    health check met (``WorkerHealthCheckFailedError``, or its timeout), is the lost one; the others' errors are the
+    collateral of the broken collective. Its node and pid come from ``OUT/train_manifest.json``'s ``workers``
+    (:func:`record_workers`). Workers not placed: a ``WorkerGroupStartupTimeoutError`` (Ray Train waited
+    ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` for room, as many times as ``ray.stall_limit_s`` allows). Both
+    messages name the latest checkpoint (:func:`latest_checkpoint`) and the command that resumes from it."""
+    from ray.exceptions import RayActorError
+
+    chain = list(_error_chain(e))
+    latest = latest_checkpoint(storage, output, cfg.checkpoint.name)
+    resume = (f"the latest checkpoint is step {latest[0]} of {total} ({latest[1]}): the same command with the same "
+              f"--output resumes from it" if latest else
+              "no checkpoint was saved yet: the same command with the same --output starts the run again")
+    for err in chain:
+        if type(err).__name__ == "WorkerGroupStartupTimeoutError":
+            waited = cfg.ray.stall_limit_s
+            return (f"training stalled: Ray Train could not place its {workers} worker(s) ({resources} each, "
+                    f"placement {cfg.scaling.placement}) for ~{waited:g} s (ray.stall_limit_s); the cluster has "
+                    f"{_cluster_summary()}; {resume} once the cluster has room, or lower scaling.num_workers or "
+                    f"scaling.cpus_per_worker, or choose scaling.placement=PACK")
+    for err in chain:
+        failures = getattr(err, "worker_failures", None)
+        if not isinstance(failures, dict) or not failures:
+            continue
+        def death(f):  # the actor's death: itself, or what Ray Train's health check of the worker met
+            f = getattr(f, "health_check_failure", f)
+            return f if isinstance(f, RayActorError) or type(f).__name__ == "WorkerHealthCheckTimeoutError" else None
+
+        dead = [r for r, f in sorted(failures.items()) if death(f) is not None]
+        if not dead:
+            continue
+        try:
+            places = {w["rank"]: w for w in json.loads(
+                storage.read_bytes(f"{output.rstrip('/')}/train_manifest.json")).get("workers") or []}
+        except (OSError, ValueError):
+            places = {}
+        names = []
+        for r in dead:
+            w = places.get(r)
+            names.append(f"rank {r}" + (f" (node {w['node_id'][:8]} at {w['node_ip']}, pid {w['pid']})" if w else ""))
+        cause = " ".join(str(death(failures[dead[0]])).split())[:160]
+        restarts = cfg.checkpoint.max_failures
+        restart = (f"Ray Train's {restarts} restart(s) (checkpoint.max_failures) are used up" if restarts else
+                   "checkpoint.max_failures = 0: Ray Train restarts no worker")
+        return (f"training worker {', '.join(names)} was lost ({cause}); {restart}; {resume}, on the nodes that are "
+                f"left (or set checkpoint.max_failures to restart within the run once capacity returns)")
+    return None
+
+
+def _cluster_summary() -> str:
+    """Alive nodes and their CPUs and GPUs, as one phrase (for error messages)."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
+    gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)
+    return f"{len(nodes)} node(s), {cpus:g} CPUs, {gpus:g} GPUs"
+
+
 # Keys that do not change what a training run computes (where it runs, how often it saves, how memory is bounded:
 # chunking and recomputation give the same losses and gradients): a resumed run may change them.
 _NOT_PLAN_SECTIONS = {"ray", "storage", "scaling", "checkpoint"}
@@ -1313,6 +1463,16 @@ def check_train_resume(storage, output: str, plan: dict, checkpoint_name: str) -
     return True
 
 
+def absolute_model_paths(cfg: TrainConfig) -> None:
+    """Make ``train.model`` and ``train.revela_lm`` absolute (in place) where they name a local folder: Ray Train's
+    workers run in another working directory, where ``--model ./my-encoder`` would name nothing (and, as a hub id,
+    end in a download error). Hub ids and s3:// paths are left as they are."""
+    for key in ("model", "revela_lm"):
+        value = getattr(cfg.train, key)
+        if value and "://" not in value and os.path.exists(os.path.expanduser(value)):
+            setattr(cfg.train, key, os.path.abspath(os.path.expanduser(value)))
+
+
 def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> TrainResult:
     """Run the training job with a validated config.
 
@@ -1343,6 +1503,7 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
         return float(ray.cluster_resources().get("CPU", 1))
 
     t0 = time.time()
+    absolute_model_paths(cfg)
     storage = cfg.storage_layer()
     teacher, left_out = False, 0
     if negatives and cfg.train.positives != "xprt":
@@ -1405,10 +1566,21 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
         + (["positive_teacher_score", "negative_teacher_scores"] if teacher else []))
     # Ray Data reads the parts itself (its own retries), through [storage]'s filesystem.
     fs_in, _ = storage.arrow_filesystem(run_dir)
-    ds = ray.data.read_parquet([storage.arrow_filesystem(p)[1] for p in parts], columns=columns, filesystem=fs_in)
+    # Its tasks reserve scaling.data_cpus each (a fraction): Ray Data's default, 1 CPU, never fits beside workers
+    # that leave less than a whole CPU free on every node (2 CPU workers spread over two 16-CPU nodes, say). Ray
+    # Data's DataSourceV2 parquet path lists the files in a task of 1 CPU that no read option lowers (its
+    # ListFiles operator): the training input is read through the V1 path, whose read tasks take ray_remote_args.
+    data_cpus = sc.data_cpus
+    data_ctx = ray.data.DataContext.get_current()
+    v2, data_ctx.use_datasource_v2 = data_ctx.use_datasource_v2, False
+    try:  # the dataset keeps a copy of the context as it is here
+        ds = ray.data.read_parquet([storage.arrow_filesystem(p)[1] for p in parts], columns=columns,
+                                   filesystem=fs_in, ray_remote_args={"num_cpus": data_cpus})
+    finally:
+        data_ctx.use_datasource_v2 = v2
     if negatives:
         h = cfg.distill.hard_negatives
-        ds = ds.filter(lambda row: row["negatives"] is not None and len(row["negatives"]) >= h)
+        ds = ds.filter(lambda row: row["negatives"] is not None and len(row["negatives"]) >= h, num_cpus=data_cpus)
     elif cfg.train.positives in ("random", "crop"):
         from pairmine.pipeline.positives import with_random_positives
 
@@ -1418,7 +1590,7 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
             raise InputError(f"groups {groups}: {cfg.train.positives} positives need the run's manifest.json "
                              f"({e})") from None
         ds = with_random_positives(ds, run_manifest, storage, cfg.train.seed, max(1, min(64, len(parts))),
-                                   cfg.train.positives)
+                                   cfg.train.positives, data_cpus)
         ds = ds.select_columns(["group_id", "doc_id", "anchor_text", "related_texts", "positive_text"])
         log.info("%s: drawn from all passages of each group's document, re-chunked from the run's %d input file(s)",
                  "random positives" if cfg.train.positives == "random"
@@ -1428,7 +1600,13 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
         ds = ds.select_columns(["group_id", "doc_id", "anchor_text", "related_texts"])
     ds = ds.randomize_block_order(seed=cfg.train.seed)
 
-    cpus = sc.cpus_per_worker or (1.0 if use_gpu else max(0.25, (cluster_cpus() - 1) / workers))
+    alive = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0]
+    alive_cpus = sum(n["Resources"]["CPU"] for n in alive) or cluster_cpus()
+    # Left free for Ray Data: data_cpus on every node, and at least one whole CPU; a whole CPU on every node when
+    # random or crop positives shuffle the groups by document (Ray Data's shuffle tasks take 1 CPU each, not set).
+    per_node = 1.0 if not negatives and cfg.train.positives in ("random", "crop") else data_cpus
+    cpus = sc.cpus_per_worker or (1.0 if use_gpu
+                                  else max(0.25, (alive_cpus - max(1.0, per_node * len(alive))) / workers))
     resources = {"CPU": cpus}
     if use_gpu:
         resources["GPU"] = sc.gpus_per_worker
@@ -1466,14 +1644,20 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
                            if plan.resume_from else None,
                            "storage": storage},  # the Storage object: its repr never shows credentials
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
+        scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources,
+                                              placement_strategy=sc.placement),
         run_config=ray.train.RunConfig(
             **storage_args(output, storage), name=cfg.checkpoint.name,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures,
+                                                   controller_failure_limit=placement_tries(cfg.ray.stall_limit_s)),
         ),
         datasets={"train": ds},
-        dataset_config=DataConfig(execution_options=ingest),
+        # Without shard locality the split gives each rank the same groups wherever the workers run (with it, Ray
+        # Data hands a block to the worker on the node that holds it): the per-rank losses (the cross, self and
+        # masked terms are means over each rank's groups) are those of the same run on one node, and a resume on
+        # other nodes trains each rank on what it trained before.
+        dataset_config=DataConfig(execution_options=ingest, enable_shard_locality=False),
     )
     try:
         result = trainer.fit()
@@ -1481,6 +1665,9 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
         memory = out_of_memory_message(e, cfg)
         if memory is not None:
             raise TrainingMemoryError(memory) from None
+        lost = lost_worker_message(e, cfg, storage, output, total, resources, workers)
+        if lost is not None:
+            raise WorkerLostError(lost) from None
         if is_expired_token(e):  # Ray Train's checkpoints, Ray Data's reads: pyarrow's errors, no retry of ours
             where = output if not is_local(output) else run_dir
             raise CredentialsExpiredError(expired_message("train", where, storage.s3(), False)) from None

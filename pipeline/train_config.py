@@ -131,11 +131,19 @@ class DistillSection:
 class ScalingSection:
     num_workers: int = _f(0, "training workers (DDP ranks); 0: one per GPU when the cluster has GPUs, else 2")
     device: str = _f("auto", "auto | cpu | cuda; auto: cuda when the cluster has GPUs (nccl), else cpu (gloo)")
-    cpus_per_worker: float = _f(0.0, "CPUs reserved per worker; 0: 1 on GPU, else (cluster CPUs - 1) / workers (at "
-                                "least 0.25): one CPU stays free for Ray Data's read tasks, without which they never "
-                                "start")
+    cpus_per_worker: float = _f(0.0, "CPUs reserved per worker; 0: 1 on GPU, else (CPUs of the alive nodes - max(1, "
+                                "data_cpus x nodes)) / workers, at least 0.25 (with random or crop positives 1 CPU "
+                                "a node instead of data_cpus): Ray Data's tasks that read the groups need that room, "
+                                "without which they never start")
+    data_cpus: float = _f(0.25, "CPUs reserved per Ray Data task that reads and prepares the training input (the "
+                          "parquet read, the random/crop positives, the negatives filter); a fraction, so that it "
+                          "fits beside the workers on every node")
     gpus_per_worker: float = _f(1.0, "GPUs per worker when the device is cuda")
     threads: int = _f(0, "torch CPU threads per worker; 0: the worker's CPUs rounded up")
+    placement: str = _f("PACK", "how Ray Train places the workers on the nodes (Ray's placement-group strategies): "
+                        "PACK fills a node first; SPREAD puts them on distinct nodes where it can; STRICT_SPREAD one "
+                        "worker per node, or the job waits (up to ray.stall_limit_s) until there are as many nodes "
+                        "as workers")
 
 
 @dataclass
@@ -152,6 +160,9 @@ class CheckpointSection:
 class TrainRaySection:
     address: str = _f("", "empty: $RAY_ADDRESS if set, else start a local Ray")
     num_cpus: int = _f(0, "local Ray only; 0: all cores")
+    stall_limit_s: float = _f(1800.0, "end the run with an error when Ray Train has waited this long, in all, for room "
+                              "to place its workers (a lost node, STRICT_SPREAD with too few nodes); the same "
+                              "--output resumes from the latest checkpoint; 0: wait forever")
 
 
 @dataclass
@@ -239,12 +250,16 @@ class TrainConfig(Sections):
             ("scaling.cpus_per_worker", sc.cpus_per_worker >= 0, ">= 0"),
             ("scaling.gpus_per_worker", sc.gpus_per_worker > 0, "> 0"),
             ("scaling.threads", sc.threads >= 0, ">= 0"),
+            ("scaling.data_cpus", sc.data_cpus > 0, "> 0"),
+            ("scaling.placement", sc.placement in ("PACK", "SPREAD", "STRICT_SPREAD"),
+             "one of PACK, SPREAD, STRICT_SPREAD"),
             ("checkpoint.every_steps", ck.every_steps == -1 or ck.every_steps >= 1, "-1 or >= 1"),
             ("checkpoint.keep", ck.keep >= 1, ">= 1"),
             ("checkpoint.max_failures", ck.max_failures >= -1, ">= -1"),
             ("checkpoint.name", ck.name != "" and "/" not in ck.name and not ck.name.startswith("."),
              "a folder name (no '/', not starting with '.')"),
             ("ray.num_cpus", self.ray.num_cpus >= 0, ">= 0"),
+            ("ray.stall_limit_s", self.ray.stall_limit_s >= 0, ">= 0 (0: wait forever)"),
         ])
         return self
 

@@ -73,8 +73,10 @@ class RayNode:
         else:
             cmd += [f"--address={self.head_address}"]
         log = open(self.log_dir / f"ray-node-{os.getpid()}-{time.time_ns()}.log", "ab")
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-        env.pop("RAY_ADDRESS", None)
+        # RAY_ADDRESS names this cluster in every process of the node: Ray Train's PlacementGroupCleaner actor
+        # asks the state API without an address, which otherwise picks "the latest cluster" of the machine,
+        # another test's or another user's Ray ("Found multiple active Ray instances", logged every second).
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": self.head_address or self.address}
         # A job's entrypoint runs in a shell with the node's environment: `pairmine` (deploy/submit.sh's command) is
         # on PATH there as on a cluster node with pairmine installed, even when the tests run without an activated venv.
         env["PATH"] = venv_path()

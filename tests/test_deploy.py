@@ -345,8 +345,9 @@ def test_submit_script_runs_the_mine_command():
     import subprocess
 
     text = (DEPLOY / "submit.sh").read_text()
-    assert re.search(r'ray job submit --address "\$RAY_ADDRESS" --submission-id "\$id" --no-wait -- pairmine mine '
-                     r'"\$@"', text)
+    assert re.search(r'ray job submit --address "\$RAY_ADDRESS" --submission-id "\$id" --no-wait -- pairmine '
+                     r'"\$command" "\$@"', text)
+    assert "command=mine" in text  # without a command name, mine (test_cluster.py submits "train" too)
     assert 'ray job logs --address "$RAY_ADDRESS" --follow "$id"' in text and "driver_exit_code" in text
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(["bash", str(DEPLOY / "submit.sh"), "--input", "x"], capture_output=True, text=True, env=env,

@@ -294,6 +294,85 @@ def test_out_of_memory_is_found_inside_ray_trains_worker_errors():
     assert out_of_memory_message(ValueError("bad"), cfg) is None
 
 
+def test_workers_that_cannot_be_placed_end_training_with_one_error_line(tiny_groups, tiny_model_dir, tmp_path):
+    """Issue 40 item 3: Ray Train waits for room to place its workers as often as ray.stall_limit_s allows
+    (Ray's own default waits forever). STRICT_SPREAD asks for 2 nodes of a one-node local Ray: after two waits of
+    5 s (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, passed on by Ray Train) the run ends with one error line that
+    says what could not be placed, on what cluster, and how to resume."""
+    env = dict(os.environ, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="5")
+    env.pop("RAY_ADDRESS", None)
+    cmd = _cli("train", "--groups", str(tiny_groups), "--output", str(tmp_path / "spread"), "--model", tiny_model_dir,
+               *TRAIN_ARGS, "--set", "scaling.placement=STRICT_SPREAD", "--set", "ray.stall_limit_s=10",
+               "--set", "ray.num_cpus=2")
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    # Ray Train's controller logs its failure decision with a traceback (a "(TrainController pid=...)" line): the
+    # driver's own output has none, and ends with the one error line.
+    lines = proc.stderr.splitlines()
+    assert not [ln for ln in lines if ln.startswith("Traceback")], proc.stderr[-3000:]
+    errors = [ln for ln in lines if ln.startswith("pairmine: error:")]
+    own = [ln for ln in lines if ln.strip() and not re.match(r"(\x1b\[\d+m)?\(\w+ pid=", ln)]
+    assert len(errors) == 1 and own[-1] == errors[0], proc.stderr[-3000:]
+    assert errors[0].startswith("pairmine: error: training stalled: Ray Train could not place its 2 worker(s) "
+                                "({'CPU': 0.5} each, placement STRICT_SPREAD) for ~10 s (ray.stall_limit_s); the "
+                                "cluster has 1 node(s), 2 CPUs, 0 GPUs; no checkpoint was saved yet"), errors[0]
+    print(f"\n{errors[0]}\n(ended {time.time() - t0:.0f} s after the start)")
+
+
+def test_a_lost_worker_is_named_with_its_node_and_the_checkpoint_to_resume_from(tmp_path):
+    """The rank whose error is Ray's RayActorError (its actor died with its node) is the lost one; the other
+    ranks' errors (the broken collective) are not named. Its node and pid come from train_manifest.json, the
+    resume point from the newest complete checkpoint; any other failure is left as it is (None)."""
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from pairmine.operators.storage import LOCAL
+    from pairmine.pipeline.train import CHECKPOINT_MARKER, STATE_FILE, checkpoint_dir_name, lost_worker_message
+
+    cfg = load_train_config(None, ["train.batch_size=16"])
+    out = tmp_path / "train"
+    workers = [{"rank": r, "node_id": f"{r}ab{r}" * 8, "node_ip": "10.0.0.1" if r == 0 else "10.0.0.2", "host": "h",
+                "pid": 100 + r, "device": "cpu"} for r in (0, 1)]
+    out.mkdir()
+    (out / "train_manifest.json").write_text(json.dumps({"workers": workers}))
+    for step, size in ((10, 4), (20, 4), (30, 9)):  # step 30's state.pt is cut short: incomplete
+        ck = out / "ray-train" / checkpoint_dir_name(step)
+        ck.mkdir(parents=True)
+        (ck / CHECKPOINT_MARKER).write_text(json.dumps({"step": step, "state_bytes": size}))
+        (ck / STATE_FILE).write_bytes(b"1234")
+    died = WorkerGroupError("rank 1 died", {0: RuntimeError("Connection closed by peer"), 1: ActorDiedError()})
+    checked = WorkerGroupError("rank 1 unreachable", {0: RuntimeError("Connection closed by peer"),
+                                                      1: WorkerHealthCheckFailedError("poll failed", ActorDiedError())})
+    assert lost_worker_message(checked, cfg, LOCAL, str(out), 60, {"CPU": 1.0}, 2).startswith(
+        "training worker rank 1 (node 1ab11ab1 at 10.0.0.2, pid 101) was lost (")
+    message = lost_worker_message(died, cfg, LOCAL, str(out), 60, {"CPU": 1.0}, 2)
+    assert message.startswith("training worker rank 1 (node 1ab11ab1 at 10.0.0.2, pid 101) was lost (")
+    assert (f"checkpoint.max_failures = 0: Ray Train restarts no worker; the latest checkpoint is step 20 "
+            f"of 60 ({out}/ray-train/{checkpoint_dir_name(20)}): the same command with the same --output resumes "
+            "from it, on the nodes that are left") in message
+    assert "rank 0" not in message
+    assert lost_worker_message(WorkerGroupError("x", {0: RuntimeError("peer gone")}), cfg, LOCAL, str(out), 60,
+                               {"CPU": 1.0}, 2) is None
+    assert lost_worker_message(ValueError("bad"), cfg, LOCAL, str(out), 60, {"CPU": 1.0}, 2) is None
+
+
+def test_a_relative_model_folder_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
+    """``--model ./enc`` used to end in a hub download error inside the workers (Ray Train runs them in another
+    working directory); a local folder becomes absolute, a hub id or s3:// path stays as given."""
+    from pairmine.pipeline.train import absolute_model_paths
+
+    (tmp_path / "enc").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = load_train_config(None, ["train.model=./enc", "train.revela_lm=Qwen/Qwen2.5-0.5B"])
+    absolute_model_paths(cfg)
+    assert cfg.train.model == str(tmp_path / "enc") and cfg.train.revela_lm == "Qwen/Qwen2.5-0.5B"
+    cfg = load_train_config(None, ["train.model=s3://models/enc"])
+    absolute_model_paths(cfg)
+    assert cfg.train.model == "s3://models/enc"
+
+
 def test_checkpoints_keep_the_trainable_tensors_only():
     """A frozen layer's weights are left out of a checkpoint's model state (the base model gives them again on
     resume) and the trainable ones come back; a state missing a trainable tensor or holding another model's keys
