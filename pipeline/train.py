@@ -1576,6 +1576,11 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
     try:  # the dataset keeps a copy of the context as it is here
         ds = ray.data.read_parquet([storage.arrow_filesystem(p)[1] for p in parts], columns=columns,
                                    filesystem=fs_in, ray_remote_args={"num_cpus": data_cpus})
+    except Exception as e:  # noqa: BLE001 - its file-info tasks can be killed for memory too
+        memory = out_of_memory_message(e, cfg)
+        if memory is not None:
+            raise TrainingMemoryError(memory) from None
+        raise
     finally:
         data_ctx.use_datasource_v2 = v2
     if negatives:

@@ -257,7 +257,10 @@ def test_an_out_of_memory_kill_ends_training_with_one_error_line(tiny_groups, ti
     """Issue 40 item 1: Ray's memory monitor killing a process of the run used to end it with Ray's multi-page report
     and a traceback. A real local Ray whose kill threshold is below what the node uses (RAY_memory_usage_threshold)
     kills the run's first process; the user sees one line naming memory, the node's figures and the keys."""
-    env = dict(os.environ, RAY_memory_usage_threshold="0.02", RAY_memory_monitor_refresh_ms="100")
+    # RAY_task_oom_retries=0: a killed task fails at once instead of being retried forever (Ray's default), so that
+    # a file-info task of the input's read, killed first, ends the run as a killed worker would.
+    env = dict(os.environ, RAY_memory_usage_threshold="0.02", RAY_memory_monitor_refresh_ms="100",
+               RAY_task_oom_retries="0")
     out = tmp_path / "oom"
     cmd = _cli("train", "--groups", str(tiny_groups), "--output", str(out), "--model", tiny_model_dir, *TRAIN_ARGS,
                "--set", "train.gradient_checkpointing=false")
