@@ -1362,14 +1362,14 @@ def lost_worker_message(e: BaseException, cfg: TrainConfig, storage, output: str
                     f"placement {cfg.scaling.placement}) for ~{waited:g} s (ray.stall_limit_s); the cluster has "
                     f"{_cluster_summary()}; {resume} once the cluster has room, or lower scaling.num_workers or "
                     f"scaling.cpus_per_worker, or choose scaling.placement=PACK")
+    def death(f):  # the actor's death: itself, or what Ray Train's health check of the worker met
+        f = getattr(f, "health_check_failure", f)
+        return f if isinstance(f, RayActorError) or type(f).__name__ == "WorkerHealthCheckTimeoutError" else None
+
     for err in chain:
         failures = getattr(err, "worker_failures", None)
         if not isinstance(failures, dict) or not failures:
             continue
-        def death(f):  # the actor's death: itself, or what Ray Train's health check of the worker met
-            f = getattr(f, "health_check_failure", f)
-            return f if isinstance(f, RayActorError) or type(f).__name__ == "WorkerHealthCheckTimeoutError" else None
-
         dead = [r for r, f in sorted(failures.items()) if death(f) is not None]
         if not dead:
             continue
@@ -1658,10 +1658,9 @@ def train(cfg: TrainConfig, groups: str, output: str, negatives: str = "") -> Tr
                                                    controller_failure_limit=placement_tries(cfg.ray.stall_limit_s)),
         ),
         datasets={"train": ds},
-        # Without shard locality the split gives each rank the same groups wherever the workers run (with it, Ray
-        # Data hands a block to the worker on the node that holds it): the per-rank losses (the cross, self and
-        # masked terms are means over each rank's groups) are those of the same run on one node, and a resume on
-        # other nodes trains each rank on what it trained before.
+        # Without shard locality no block goes to a rank because of the node that holds it (with it, Ray Data
+        # prefers the worker on the block's node): where the workers run is one thing less that decides a rank's
+        # groups. Not all: the streaming split still chooses in each run (docs/training.md, "On two nodes").
         dataset_config=DataConfig(execution_options=ingest, enable_shard_locality=False),
     )
     try:
