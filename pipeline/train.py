@@ -1258,6 +1258,22 @@ class TrainingMemoryError(ConfigError):
     prints it as one ``pairmine: error:`` line."""
 
 
+def _error_chain(e: BaseException):
+    """Every exception reachable from ``e`` through Ray Train's wrappers (``cause``, ``controller_failure``,
+    ``worker_failures``' values) and Python's ``__cause__`` / ``__context__``, ``e`` first, each once."""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        err = stack.pop(0)
+        if not isinstance(err, BaseException) or id(err) in seen:
+            continue
+        seen.add(id(err))
+        yield err
+        failures = getattr(err, "worker_failures", None)
+        stack += [getattr(err, "cause", None), getattr(err, "controller_failure", None), err.__cause__,
+                  err.__context__, *(failures.values() if isinstance(failures, dict) else [])]
+
+
 def out_of_memory_message(e: BaseException, cfg: TrainConfig) -> str | None:
     """The one-line message for an error of ``trainer.fit()`` caused by an out-of-memory kill, or None.
 
@@ -1272,19 +1288,8 @@ def out_of_memory_message(e: BaseException, cfg: TrainConfig) -> str | None:
 
     from ray.exceptions import OutOfMemoryError
 
-    seen: set[int] = set()
-    stack, hit = [e], None
-    while stack and hit is None:
-        err = stack.pop()
-        if not isinstance(err, BaseException) or id(err) in seen:
-            continue
-        seen.add(id(err))
-        text = str(err)
-        if isinstance(err, OutOfMemoryError) or "running low on memory" in text or "memory monitor" in text:
-            hit = text
-        failures = getattr(err, "worker_failures", None)
-        stack += [getattr(err, "cause", None), getattr(err, "controller_failure", None), err.__cause__,
-                  err.__context__, *(failures.values() if isinstance(failures, dict) else [])]
+    hit = next((str(err) for err in _error_chain(e) if isinstance(err, OutOfMemoryError)
+                or "running low on memory" in str(err) or "memory monitor" in str(err)), None)
     if hit is None:
         return None
     node = re.search(r"was ([\d.]+\s*[KMGT]?B) used / ([\d.]+\s*[KMGT]?B) limit", hit)
@@ -1305,22 +1310,6 @@ class WorkerLostError(ConfigError):
     (``checkpoint.max_failures``), or Ray Train could not place the workers for ``ray.stall_limit_s``. The message
     names the worker (rank, node, pid) or what could not be placed, the latest checkpoint, and how to resume; the
     CLI prints it as one ``pairmine: error:`` line."""
-
-
-def _error_chain(e: BaseException):
-    """Every exception reachable from ``e`` through Ray Train's wrappers (``cause``, ``controller_failure``,
-    ``worker_failures``' values) and Python's ``__cause__`` / ``__context__``, ``e`` first, each once."""
-    seen: set[int] = set()
-    stack = [e]
-    while stack:
-        err = stack.pop(0)
-        if not isinstance(err, BaseException) or id(err) in seen:
-            continue
-        seen.add(id(err))
-        yield err
-        failures = getattr(err, "worker_failures", None)
-        stack += [getattr(err, "cause", None), getattr(err, "controller_failure", None), err.__cause__,
-                  err.__context__, *(failures.values() if isinstance(failures, dict) else [])]
 
 
 def latest_checkpoint(storage, output: str, checkpoint_name: str) -> tuple[int, str] | None:
@@ -1350,6 +1339,8 @@ def lost_worker_message(e: BaseException, cfg: TrainConfig, storage, output: str
     messages name the latest checkpoint (:func:`latest_checkpoint`) and the command that resumes from it."""
     from ray.exceptions import RayActorError
 
+    from pairmine.pipeline.ray_adapter import describe_cluster
+
     chain = list(_error_chain(e))
     latest = latest_checkpoint(storage, output, cfg.checkpoint.name)
     resume = (f"the latest checkpoint is step {latest[0]} of {total} ({latest[1]}): the same command with the same "
@@ -1359,8 +1350,8 @@ def lost_worker_message(e: BaseException, cfg: TrainConfig, storage, output: str
         if type(err).__name__ == "WorkerGroupStartupTimeoutError":
             waited = cfg.ray.stall_limit_s
             return (f"training stalled: Ray Train could not place its {workers} worker(s) ({resources} each, "
-                    f"placement {cfg.scaling.placement}) for ~{waited:g} s (ray.stall_limit_s); the cluster has "
-                    f"{_cluster_summary()}; {resume} once the cluster has room, or lower scaling.num_workers or "
+                    f"placement {cfg.scaling.placement}) for ~{waited:g} s (ray.stall_limit_s); the cluster is "
+                    f"{describe_cluster()}; {resume} once the cluster has room, or lower scaling.num_workers or "
                     f"scaling.cpus_per_worker, or choose scaling.placement=PACK")
     def death(f):  # the actor's death: itself, or what Ray Train's health check of the worker met
         f = getattr(f, "health_check_failure", f)
@@ -1389,16 +1380,6 @@ def lost_worker_message(e: BaseException, cfg: TrainConfig, storage, output: str
         return (f"training worker {', '.join(names)} was lost ({cause}); {restart}; {resume}, on the nodes that are "
                 f"left (or set checkpoint.max_failures to restart within the run once capacity returns)")
     return None
-
-
-def _cluster_summary() -> str:
-    """Alive nodes and their CPUs and GPUs, as one phrase (for error messages)."""
-    import ray
-
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
-    gpus = sum(n["Resources"].get("GPU", 0) for n in nodes)
-    return f"{len(nodes)} node(s), {cpus:g} CPUs, {gpus:g} GPUs"
 
 
 # Keys that do not change what a training run computes (where it runs, how often it saves, how memory is bounded:
